@@ -1,0 +1,403 @@
+"""
+Episode 1, data: real TinyStories in; clean stories, instructions and token files out.
+
+By default it downloads TinyStoriesV2-GPT4 (train and valid) from the dataset's home on
+Hugging Face, with a progress line, resuming a partial download. With --source it reads a
+local copy instead: a .txt or .txt.gz file, or a folder of them, with stories separated by
+<|endoftext|> lines. Then, in order, each step skipped when its inputs haven't changed:
+
+1. stories: stripped; empty and repeated stories dropped; a valid story that is also in
+   train is dropped from valid, and a held-out story from train, so evaluation never
+   measures what training saw                             -> data/train.txt, data/valid.txt
+2. instructions: for each train story, three words it uses, and the instruction that asks
+   for them ("Write a story that uses the words kite, river and brave.")
+                                                           -> data/instructions.jsonl
+(The next step of this episode adds the tokenizer and the token files for pretraining.)
+
+The 50 held-out instructions that evaluation uses forever are not made here each time:
+they are heldout.json, committed beside this file (version 1, drawn once from the valid
+stories of the shared sample), so that every machine and every source of data measures
+models on the same 150 words. A folder without that file gets one drawn from its own
+valid stories, by the same rule.
+
+Choices of ours: in a folder, a file whose name has "valid" in it is validation text and
+any other is train text; a file whose name has "lowercase" in it is left out (lowercased
+stories teach a model to write without capitals; name the file itself to use it). With no
+valid file, one story in twenty is held out as valid. A story that is not valid UTF-8 is
+dropped, and the count is printed.
+
+Run:
+    python data.py --source ../shared/data/tinystories     (a local copy; how CI runs)
+    python data.py --megabytes 100                         (download the first 100 MB of train)
+"""
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+DATA = Path("data")
+TRAIN_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-train.txt"
+VALID_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-valid.txt"
+SEPARATOR = "<|endoftext|>"
+SEED = 1337
+HELDOUT = Path(__file__).resolve().parent / "heldout.json"  # committed: the evaluation set
+HELD_OUT = 50  # instructions, three words each: 150 words, the evaluation set forever
+HELD_OUT_VERSION = 1  # a new set gets a new version, never silently
+VALID_SHARE = 20  # with no valid file, one story in VALID_SHARE becomes valid
+# A word a child would know: in at least 1 in 500 train stories (and 5 of them), but in at
+# most 1 in 10, as "happy" or "park" would be asked for and used without trying.
+RARE, COMMON, FEWEST = 1 / 500, 1 / 10, 5
+STOP_WORDS = frozenset("""
+a about above after again against all also am an and any are around as at away back be
+because been before being below between both but by came can come could did do does doing
+done down during each even ever every few for from get go going gone got had has have
+having he her here hers herself him himself his how if in into is it its itself just
+let like made make many may me more most much must my myself no nor not now of off on
+once one only or other our ours out over own said same saw say says see she should so
+some still such than that the their theirs them then there these they this those through
+to too two under until up upon very was way we well went were what when where which while
+who whom why will with would yes yet you your yours yourself
+again almost already always another anymore anyone anything enough everyone everything
+instead later maybe never nothing really someone something sometimes soon sure though
+""".split())
+WORD = re.compile(r"[a-z]+")  # a word of lowercased text, for the reward (evaluate.py)
+# A word written in lowercase as a whole, in cased text: not "nstead" in "Instead", not "immy"
+# in "Timmy", not "don" in "don't", not "ups" in "grown-ups". Names are capitalised, so never match.
+LOWERCASE_WORD = re.compile(r"(?<![\w'-])[a-z]+(?![\w'-])")
+# Everything that decides which words are asked for: a change to any of it rebuilds the instructions.
+ASKING = {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
+          "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16]}
+
+
+@contextmanager
+def atomic(path):
+    """Yields a temporary path beside `path`; it becomes `path` only if the block finishes,
+    so an interrupted run never leaves half a file under the real name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- getting the text
+
+def fetch(url, path, limit=None):
+    """Downloads url to path, or its first `limit` bytes. A partial download waits in
+    path.part and is resumed with an HTTP Range request, so a dropped connection costs
+    nothing but the restart."""
+    if path.exists():
+        return path
+    part = path.with_name(path.name + ".part")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    have = part.stat().st_size if part.exists() else 0
+    if limit is None or have < limit:
+        have = receive(url, part, have, limit)
+    with open(part, "r+b") as file:
+        file.truncate(limit if limit is not None and have > limit else have)
+    if limit is not None:
+        cut_after_last_story(part)  # before the rename: the finished file holds whole stories only
+    os.replace(part, path)
+    return path
+
+
+def receive(url, part, have, limit):
+    """Appends what the server sends from byte `have` (up to `limit`) to part; returns its size."""
+    last = "" if limit is None else str(limit - 1)
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-{last}"} if have or limit else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as error:
+        if error.code == 416:  # nothing left to send: the partial file is the whole file
+            return have
+        raise SystemExit(f"download of {url} failed: HTTP {error.code}; run again to resume, or use --source PATH")
+    except (urllib.error.URLError, OSError) as error:
+        raise SystemExit(f"cannot reach {url} ({error}); run again to resume, or use --source PATH")
+    with response:
+        if response.status != 206:  # the server ignored the range: start from the beginning
+            have = 0
+        size = response.headers.get("Content-Range", "").rpartition("/")[2]
+        total = int(size) if size.isdigit() else have + int(response.headers.get("Content-Length") or 0)
+        total = min(total, limit) if limit else total
+        start, started = have, time.time()
+        with open(part, "ab" if have else "wb") as file:
+            while limit is None or have < limit:
+                block = response.read(1 << 20)
+                if not block:
+                    break
+                file.write(block)
+                have += len(block)
+                speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
+                print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
+                      end="", flush=True)
+        print()
+    return have
+
+
+def cut_after_last_story(path):
+    """A download cut at N megabytes ends inside a story; keep only the whole stories."""
+    marker = f"\n{SEPARATOR}\n".encode()
+    with open(path, "r+b") as file:
+        size = file.seek(0, os.SEEK_END)
+        file.seek(max(0, size - (1 << 20)))
+        tail = file.read()
+        end = tail.rfind(marker)
+        if end >= 0:
+            file.truncate(size - len(tail) + end + len(marker))
+
+
+def download(folder, megabytes=None):
+    train_name = Path(TRAIN_URL).name if not megabytes else f"TinyStoriesV2-GPT4-train-first-{megabytes}MB.txt"
+    train = folder / train_name
+    fetch(TRAIN_URL, train, megabytes * 1_000_000 if megabytes else None)
+    valid = fetch(VALID_URL, folder / Path(VALID_URL).name)
+    return [("train", train), ("valid", valid)]
+
+
+def local_files(source):
+    """The files of a local copy, each marked train or valid by its name."""
+    source = Path(source)
+    if not source.exists():
+        raise SystemExit(f"--source {source}: no such file or folder")
+    if source.is_file():
+        files = [source]
+    else:
+        files = sorted(p for p in source.iterdir() if p.name.endswith((".txt", ".txt.gz")))
+        for p in [p for p in files if "lowercase" in p.name]:
+            print(f"  leaving out {p.name}: lowercased text (name the file itself to use it)")
+        files = [p for p in files if "lowercase" not in p.name]
+    if not files:
+        raise SystemExit(f"--source {source}: no .txt or .txt.gz files in it")
+    return [("valid" if "valid" in p.name else "train", p) for p in files]
+
+
+def read_stories(path):
+    """Yields the stories of a file, streamed: the whole dataset is gigabytes."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    lines, bad, offset, first_bad = [], 0, 0, None
+    with opener(path, "rb") as file:
+        for line in file:
+            offset += len(line)
+            if SEPARATOR.encode() not in line:
+                lines.append(line)
+                continue
+            # A separator ends the story before it (usually on a line of its own).
+            before, _, after = line.partition(SEPARATOR.encode())
+            story = b"".join(lines) + before
+            lines = [after] if after.strip() else []
+            try:
+                yield story.decode("utf-8")
+            except UnicodeDecodeError:
+                bad += 1
+                first_bad = first_bad or offset
+    try:
+        if lines:
+            yield b"".join(lines).decode("utf-8")
+    except UnicodeDecodeError:
+        bad += 1
+        first_bad = first_bad or offset
+    if bad:
+        print(f"  {path.name}: dropped {bad} stories that are not valid UTF-8 (the first near byte {first_bad:,})")
+
+
+def fingerprint(text):
+    # whitespace-insensitive, so a story repeated with other line breaks still counts as repeated
+    return hashlib.blake2b(" ".join(text.split()).encode(), digest_size=8).digest()
+
+
+def write_stories(files, out, heldout=HELDOUT):
+    """Step 1: clean stories into train.txt and valid.txt; returns how many of each."""
+    held_out = {fingerprint(i["story"]) for i in read_heldout(heldout)} if Path(heldout).exists() else set()
+    seen = set()  # fingerprints of the stories kept so far, train first
+    counts = Counter()
+    has_valid = any(split == "valid" for split, _ in files)
+    ordered = [f for f in files if f[0] == "train"] + [f for f in files if f[0] == "valid"]
+    with atomic(out / "train.txt") as train_tmp, atomic(out / "valid.txt") as valid_tmp:
+        with open(train_tmp, "w", encoding="utf-8") as train, open(valid_tmp, "w", encoding="utf-8") as valid:
+            for split, path in ordered:
+                for story in read_stories(path):
+                    story = story.strip()
+                    key = fingerprint(story)
+                    if not story or key in seen:
+                        counts["dropped"] += 1
+                        continue
+                    seen.add(key)
+                    if split == "train" and key in held_out:
+                        counts["held out"] += 1  # evaluation's stories never reach training
+                        continue
+                    # With no valid file, a story's fingerprint decides: one in VALID_SHARE is valid.
+                    goes_to = "valid" if split == "valid" or (not has_valid and key[0] % VALID_SHARE == 0) else "train"
+                    (train if goes_to == "train" else valid).write(f"{story}\n{SEPARATOR}\n")
+                    counts[goes_to] += 1
+    return counts
+
+
+def stories(path):
+    """The stories of data/train.txt or data/valid.txt."""
+    return (story.strip() for story in read_stories(path))
+
+
+# ---------------------------------------------------------------- instructions
+
+def instruction(words):
+    """The text that asks for three words; the story follows on the next line."""
+    first, second, third = words
+    return f"Write a story that uses the words {first}, {second} and {third}.\n"
+
+
+def askable_words(train_path):
+    """Words a child would know: written in lowercase in the stories (so not names), not stop
+    words, in neither too few stories nor too many."""
+    in_stories, total = Counter(), 0
+    for story in stories(train_path):
+        in_stories.update(set(LOWERCASE_WORD.findall(story)))
+        total += 1
+    fewest, most = max(FEWEST, RARE * total), COMMON * total
+    return {word for word, n in in_stories.items()
+            if fewest <= n <= most and len(word) >= 3 and word not in STOP_WORDS}
+
+
+def pick_words(story, askable, seed=SEED):
+    """Three distinct askable words that the story uses, the same for a story and a seed
+    whatever the order of the file; None when the story has fewer than three."""
+    used = sorted(set(LOWERCASE_WORD.findall(story)) & askable)
+    if len(used) < 3:
+        return None
+    rng = random.Random(hashlib.sha256(f"{seed}:{story}".encode()).digest())
+    return rng.sample(used, 3)
+
+
+def ask(story, askable, seed=SEED):
+    """The instruction for a story, as written to the files, or None."""
+    words = pick_words(story, askable, seed)
+    if words is None:
+        return None
+    return {"words": words, "instruction": instruction(words), "story": story}
+
+
+def write_instructions(out, askable):
+    """Step 2: an instruction for each train story that has three askable words."""
+    count = 0
+    with atomic(out / "instructions.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as file:
+        for story in stories(out / "train.txt"):
+            example = ask(story, askable)
+            if example:
+                file.write(json.dumps(example, ensure_ascii=False) + "\n")
+                count += 1
+    return count
+
+
+def draw_heldout(valid_path, askable):
+    """The held-out instructions: valid stories in an order set by the seed alone (a hash of
+    seed and story), the first HELD_OUT that have three askable words."""
+    ranked = sorted(stories(valid_path), key=lambda s: hashlib.sha256(f"{SEED}:{s}".encode()).digest())
+    chosen = []
+    for story in ranked:
+        example = ask(story, askable)
+        if example:
+            chosen.append(example)
+        if len(chosen) == HELD_OUT:
+            return chosen
+    raise SystemExit(f"only {len(chosen)} valid stories have three askable words; {HELD_OUT} are needed")
+
+
+def write_heldout(path, instructions):
+    content = {"version": HELD_OUT_VERSION, "seed": SEED,
+               "license": "Stories from TinyStories (Eldan and Li, 2023), CDLA-Sharing-1.0",
+               "instructions": instructions}
+    with atomic(path) as tmp:
+        tmp.write_text(json.dumps(content, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+
+
+def read_heldout(path=HELDOUT):
+    """The held-out instructions of a file, refused unless it is version HELD_OUT_VERSION of HELD_OUT."""
+    path = Path(path)
+    if not path.exists():
+        raise SystemExit(f"no {path}: it comes with the repository (or python data.py draws one)")
+    heldout = json.loads(path.read_text(encoding="utf-8"))
+    if heldout.get("version") != HELD_OUT_VERSION or len(heldout.get("instructions", [])) != HELD_OUT:
+        raise SystemExit(f"{path} is not version {HELD_OUT_VERSION} of the {HELD_OUT} held-out instructions")
+    return heldout["instructions"]
+
+
+# ---------------------------------------------------------------- skipping what is done
+
+def inputs_of(*paths, **settings):
+    """What a step depends on: its input files (name, size, time) and its settings."""
+    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths if Path(p).exists()]
+    # Through JSON and back, so that it compares equal to what the manifest read from disk.
+    return json.loads(json.dumps({"files": files, "settings": settings}))
+
+
+def run_step(out, step, inputs, outputs, make):
+    """Runs make() unless the manifest says this step already ran on the same inputs().
+    The inputs are read again after the step, for a step may make one (heldout.json)."""
+    manifest = out / "manifest.json"
+    done = json.loads(manifest.read_text()) if manifest.exists() else {}
+    if done.get(step) == inputs() and all(Path(p).exists() for p in outputs):
+        print(f"{step}: up to date ({', '.join(Path(p).name for p in outputs)})")
+        return
+    started = time.time()
+    print(f"{step}: {make()} ({time.time() - started:.1f} s)")
+    done[step] = inputs()
+    with atomic(manifest) as tmp:
+        tmp.write_text(json.dumps(done, indent=1) + "\n")
+
+
+def prepare(files, out=DATA, heldout=HELDOUT):
+    """The steps, each skipped when its inputs haven't changed since the last run."""
+    out.mkdir(parents=True, exist_ok=True)
+    train, valid = out / "train.txt", out / "valid.txt"
+    # 1. Clean stories, train and valid apart, the held-out stories out of train.
+    run_step(out, "stories", lambda: inputs_of(heldout, *[p for _, p in files], files=[[s, str(p)] for s, p in files]),
+             [train, valid, heldout], lambda: make_stories(files, out, heldout))
+    # 2. An instruction for each train story: what fine-tuning and the RL episodes train on.
+    run_step(out, "instructions", lambda: inputs_of(train, **ASKING), [out / "instructions.jsonl"],
+             lambda: make_instructions(out))
+
+
+def make_stories(files, out, heldout):
+    counts = write_stories(files, out, heldout)
+    if counts["train"] == 0 or counts["valid"] == 0:
+        raise SystemExit(f"no {'train' if counts['train'] == 0 else 'valid'} stories in the source")
+    # Without a held-out set (a fresh folder), draw one from these valid stories, once.
+    if not Path(heldout).exists():
+        write_heldout(heldout, draw_heldout(out / "valid.txt", askable_words(out / "train.txt")))
+        print(f"  drew {HELD_OUT} held-out instructions from the valid stories into {heldout}")
+    return (f"{counts['train']:,} train and {counts['valid']:,} valid stories, "
+            f"{counts['dropped']:,} empty or repeated dropped, {counts['held out']} held-out stories left out of train")
+
+
+def make_instructions(out):
+    askable = askable_words(out / "train.txt")
+    count = write_instructions(out, askable)
+    return f"{len(askable):,} askable words; {count:,} train instructions"
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Prepare TinyStories: stories and instructions.")
+    parser.add_argument("--source", help="a local .txt/.txt.gz file or folder, instead of downloading")
+    parser.add_argument("--megabytes", type=int, help="download only the first N MB of the train file")
+    parser.add_argument("--out", default=str(DATA), help="the data folder (default: data)")
+    args = parser.parse_args()
+    if args.megabytes is not None and args.megabytes <= 0:
+        parser.error("--megabytes must be a positive number")
+    out = Path(args.out)
+    files = local_files(args.source) if args.source else download(out / "download", args.megabytes)
+    prepare(files, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+import gzip
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import data
+from conftest import NAMES
+from data import SEPARATOR, STOP_WORDS
+
+
+def whole_words(story):
+    """The story's words as written, punctuation stripped: "Instead," is "Instead", never "nstead"."""
+    return {token.strip(".,!?;:\"'()") for token in story.split()}
+
+
+def prepare(corpus, out, heldout=None):
+    data.prepare(data.local_files(corpus), out, heldout=heldout or out / "heldout.json")
+    return out
+
+
+def read(path):
+    return list(data.stories(path))
+
+
+@pytest.fixture
+def prepared(corpus, tmp_path):
+    return prepare(corpus, tmp_path / "data")
+
+
+def test_split_keeps_train_and_valid_apart(corpus, prepared):
+    train, valid = read(prepared / "train.txt"), read(prepared / "valid.txt")
+    assert len(train) == 400 and len(valid) == 120  # the valid copy of a train story is dropped
+    assert not set(train) & set(valid)
+
+
+def test_lowercased_file_is_left_out(prepared):
+    assert all(any(c.isupper() for c in story) for story in read(prepared / "train.txt"))
+
+
+def test_stories_are_stripped_and_empty_or_repeated_ones_dropped(tmp_path):
+    source = tmp_path / "train.txt"
+    source.write_text(f"  A first story.  \n{SEPARATOR}\n\n{SEPARATOR}\nA   first\nstory.\n{SEPARATOR}\n"
+                      f"A second story.\n{SEPARATOR}\n", encoding="utf-8")
+    (tmp_path / "valid.txt").write_text(f"A valid story.\n{SEPARATOR}\n", encoding="utf-8")
+    counts = data.write_stories(data.local_files(tmp_path), tmp_path / "out")
+    assert read(tmp_path / "out" / "train.txt") == ["A first story.", "A second story."]
+    assert counts["dropped"] == 2
+
+
+def test_story_that_is_not_utf8_is_dropped_with_a_message(tmp_path, capsys):
+    (tmp_path / "train.txt").write_bytes(f"Good story.\n{SEPARATOR}\n".encode() + b"Bad \xff story.\n"
+                                         + f"{SEPARATOR}\nAnother good one.\n{SEPARATOR}\n".encode())
+    stories = list(data.read_stories(tmp_path / "train.txt"))
+    assert [s.strip() for s in stories] == ["Good story.", "Another good one."]
+    assert "dropped 1 stories that are not valid UTF-8" in capsys.readouterr().out
+
+
+def test_without_a_valid_file_one_story_in_twenty_becomes_valid(corpus, tmp_path):
+    counts = data.write_stories(data.local_files(corpus / "stories-train.txt.gz"), tmp_path)
+    assert counts["train"] + counts["valid"] == 400
+    assert 5 <= counts["valid"] <= 40
+
+
+def check_heldout(instructions, valid=None, train=()):
+    assert len(instructions) == 50
+    for example in instructions:
+        words = example["words"]
+        assert len(set(words)) == 3 and not set(words) & STOP_WORDS
+        assert set(words) <= whole_words(example["story"])
+        assert example["instruction"] == data.instruction(words)
+        assert valid is None or example["story"] in valid
+        assert example["story"] not in train
+
+
+def test_drawn_heldout_has_50_instructions_whose_words_are_in_their_valid_stories(prepared):
+    instructions = data.read_heldout(prepared / "heldout.json")
+    check_heldout(instructions, set(read(prepared / "valid.txt")), set(read(prepared / "train.txt")))
+
+
+def test_committed_heldout_is_version_1_and_its_words_are_in_its_stories():
+    heldout = json.loads(data.HELDOUT.read_text())
+    assert heldout["version"] == data.HELD_OUT_VERSION == 1
+    check_heldout(heldout["instructions"])
+
+
+def test_heldout_draw_is_the_same_on_every_run_and_then_kept(corpus, tmp_path):
+    first = prepare(corpus, tmp_path / "first")
+    second = prepare(corpus, tmp_path / "second")
+    assert (first / "heldout.json").read_bytes() == (second / "heldout.json").read_bytes()
+    assert (first / "instructions.jsonl").read_bytes() == (second / "instructions.jsonl").read_bytes()
+    # More train stories change the askable words, but an existing held-out set is never drawn again.
+    before = (first / "heldout.json").read_bytes()
+    with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
+        f.write("".join(f"A pebble and a pebble and a lantern, {i}.\n{SEPARATOR}\n" for i in range(50)))
+    prepare(corpus, first)
+    assert (first / "heldout.json").read_bytes() == before
+
+
+def test_heldout_stories_never_reach_training(corpus, prepared, tmp_path):
+    story = data.read_heldout(prepared / "heldout.json")[0]["story"]
+    with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
+        f.write(f"{story}\n{SEPARATOR}\n")
+    counts = data.write_stories(data.local_files(corpus), tmp_path, prepared / "heldout.json")
+    assert counts["held out"] == 1
+    assert story not in read(tmp_path / "train.txt")
+
+
+def test_instructions_ask_for_whole_lowercase_words_never_names(prepared):
+    names = {name.lower() for name in NAMES} | {name.lower()[1:] for name in NAMES}
+    for line in (prepared / "instructions.jsonl").read_text().splitlines():
+        example = json.loads(line)
+        assert not names & set(example["words"])
+        assert not {"nstead", "uddenly", "didn"} & set(example["words"])
+        assert set(example["words"]) <= whole_words(example["story"])
+
+
+def test_second_run_reuses_what_is_there(corpus, prepared, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()}
+    prepare(corpus, prepared)
+    assert capsys.readouterr().out.count("up to date") == 2
+    assert {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()} == before
+
+
+def test_changed_source_is_prepared_again(corpus, prepared, capsys):
+    with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
+        f.write(f"A new story about a kite.\n{SEPARATOR}\n")
+    prepare(corpus, prepared)
+    assert "stories: 401 train" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- download, against a local server
+
+class Server:
+    """Serves one file over HTTP on 127.0.0.1, honouring Range requests, and records them."""
+
+    def __init__(self, content):
+        self.content, self.ranges = content, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                header = self.headers.get("Range")
+                server.ranges.append(header)
+                start, end = 0, len(server.content) - 1
+                if header:
+                    first, _, last = header.removeprefix("bytes=").partition("-")
+                    start, end = int(first), int(last) if last else end
+                    if start >= len(server.content):
+                        self.send_response(416)
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(server.content)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(end - start + 1))
+                self.end_headers()
+                self.wfile.write(server.content[start:end + 1])
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/TinyStories-train.txt"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    content = "".join(f"Story number {i} about a kite.\n{SEPARATOR}\n" for i in range(100_000)).encode()
+    server = Server(content)
+    yield server
+    server.close()
+
+
+def test_download_resumes_from_a_partial_file(server, tmp_path, capsys):
+    path = tmp_path / "train.txt"
+    partial = 1_234_567
+    (tmp_path / "train.txt.part").write_bytes(server.content[:partial])
+    data.fetch(server.url, path)
+    assert server.ranges == [f"bytes={partial}-"]
+    assert path.read_bytes() == server.content
+    assert not (tmp_path / "train.txt.part").exists()
+    assert "MB/s" in capsys.readouterr().out
+
+
+def test_download_of_the_first_megabytes_keeps_whole_stories(server, tmp_path):
+    path = tmp_path / "train.txt"
+    data.fetch(server.url, path, limit=1_000_000)
+    assert server.ranges == ["bytes=0-999999"]
+    text = path.read_text()
+    assert 999_000 < len(text) <= 1_000_000
+    assert text.endswith(f"{SEPARATOR}\n") and server.content.decode().startswith(text)
+
+
+def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
+    (tmp_path / "train.txt.part").write_bytes(server.content)
+    data.fetch(server.url, tmp_path / "train.txt")
+    assert server.ranges == [f"bytes={len(server.content)}-"]
+    assert (tmp_path / "train.txt").read_bytes() == server.content
+
+
+def test_unreachable_server_says_what_to_do(tmp_path):
+    with pytest.raises(SystemExit, match="--source"):
+        data.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")
