@@ -3,6 +3,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 import data
@@ -16,7 +17,7 @@ def whole_words(story):
 
 
 def prepare(corpus, out, heldout=None):
-    data.prepare(data.local_files(corpus), out, heldout=heldout or out / "heldout.json")
+    data.prepare(data.local_files(corpus), out, vocab_size=400, heldout=heldout or out / "heldout.json")
     return out
 
 
@@ -116,10 +117,18 @@ def test_instructions_ask_for_whole_lowercase_words_never_names(prepared):
         assert set(example["words"]) <= whole_words(example["story"])
 
 
+def test_token_files_hold_every_story_after_an_end_of_text(prepared):
+    tokenizer = data.load_tokenizer(prepared)
+    tokens = np.memmap(prepared / "valid.bin", dtype=np.uint16, mode="r")
+    expected = "".join(SEPARATOR + s for s in read(prepared / "valid.txt"))
+    assert tokens[0] == tokenizer.eot
+    assert tokenizer.decode(tokens.tolist()) == expected
+
+
 def test_second_run_reuses_what_is_there(corpus, prepared, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()}
     prepare(corpus, prepared)
-    assert capsys.readouterr().out.count("up to date") == 2
+    assert capsys.readouterr().out.count("up to date") == 4
     assert {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()} == before
 
 
@@ -128,6 +137,16 @@ def test_changed_source_is_prepared_again(corpus, prepared, capsys):
         f.write(f"A new story about a kite.\n{SEPARATOR}\n")
     prepare(corpus, prepared)
     assert "stories: 401 train" in capsys.readouterr().out
+
+
+def test_tokenizer_learns_from_the_first_megabytes_only():
+    texts = ["a" * 400_000, "b" * 400_000, "c" * 400_000]
+    assert list(data.first_megabytes(iter(texts), 1)) == texts[:2]
+
+
+def test_missing_tokenizer_names_the_command(tmp_path):
+    with pytest.raises(SystemExit, match="python data.py"):
+        data.load_tokenizer(tmp_path)
 
 
 # ---------------------------------------------------------------- download, against a local server

@@ -1,0 +1,85 @@
+import json
+import random
+
+import pytest
+
+import tokenizer as bpe
+
+STORIES = ["Once upon a time, a little girl named Lily found a kite by the river.",
+           "Tom liked cake. He ate the cake in the rain, and then he jumped!"] * 20
+
+
+def random_text(rng, length):
+    """Any Unicode scalar value but surrogates, which UTF-8 cannot hold, weighted toward the
+    first planes, with runs of spaces and newlines mixed in."""
+    chars = []
+    for _ in range(length):
+        kind = rng.random()
+        if kind < 0.2:
+            chars.append(rng.choice(" \n\t  "))
+        elif kind < 0.5:
+            chars.append(chr(rng.randrange(32, 127)))
+        else:
+            code = rng.randrange(0x110000 if kind > 0.9 else 0x3000)
+            chars.append(chr(code) if not 0xD800 <= code < 0xE000 else "x")
+    return "".join(chars)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bpe.train(STORIES, vocab_size=300, progress=False)
+
+
+def test_random_unicode_round_trips_exactly(tokenizer):
+    rng = random.Random(1)
+    for _ in range(300):
+        text = random_text(rng, rng.randrange(0, 80))
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_training_learns_merges_that_shorten_the_stories(tokenizer):
+    assert len(tokenizer) == 300 and tokenizer.eot == 299
+    text = STORIES[0]
+    assert len(tokenizer.encode(text)) < 0.6 * len(text.encode("utf-8"))
+
+
+def test_with_merges_to_spare_every_trained_chunk_is_one_token():
+    tokenizer = bpe.train(STORIES, vocab_size=1000, progress=False)
+    assert len(tokenizer) < 1000  # training stops when no pair is left to merge
+    for text in STORIES[:2]:
+        assert len(tokenizer.encode(text)) == len(bpe.CHUNK.findall(text))
+
+
+def test_end_of_text_is_special_and_plain_text_never_makes_it(tokenizer):
+    tokens = tokenizer.encode("a story<|endoftext|>another")
+    assert tokenizer.eot not in tokens
+    assert tokenizer.decode([tokenizer.eot]) == "<|endoftext|>"
+
+
+def test_saved_tokenizer_loads_to_the_same_tokens(tokenizer, tmp_path):
+    tokenizer.save(tmp_path / "tokenizer.json")
+    loaded = bpe.Tokenizer.load(tmp_path / "tokenizer.json")
+    text = "Lily and Tom ate the cake by the river, 123 times!"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.fingerprint() == tokenizer.fingerprint()
+    readable = json.loads((tmp_path / "tokenizer.json").read_text())["tokens"]
+    assert " the" in readable
+
+
+def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(path)
+    data = json.loads(path.read_text())
+    data["merges"][3] = [999, 1]  # a merge of a token that does not exist yet
+    path.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="damaged"):
+        bpe.Tokenizer.load(path)
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(SystemExit, match="not a tokenizer file"):
+        bpe.Tokenizer.load(path)
+
+
+def test_training_is_deterministic():
+    a = bpe.train(STORIES, vocab_size=280, progress=False)
+    b = bpe.train(list(reversed(STORIES)), vocab_size=280, progress=False)
+    assert a.merges == b.merges
