@@ -1,0 +1,322 @@
+"""
+Episode 2, the model: a GPT in one readable file, and the pieces every later script shares.
+
+Token and position embeddings; pre-norm blocks, each a causal self-attention (torch's
+scaled_dot_product_attention) and an MLP, each behind a layer norm and added back to the
+stream; dropout; a final layer norm, and an output layer that shares its weights with the
+token embedding. The series' model is the Config below: about 14.6M parameters.
+
+Writing a story one token at a time would recompute every earlier position for each new
+token. The KV cache keeps each layer's keys and values, so a new token costs one position.
+And when a batch repeats one prompt (a GRPO group), the prompt runs once and its keys and
+values are copied to every story.
+
+Shared by the later scripts: pick_device(), the CHECKPOINTS and RUNS folders,
+save_checkpoint() and load_checkpoint().
+
+    python model.py    (prints the series' model and its parameter count)
+"""
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import atomic
+from tokenizer import VOCAB_SIZE
+
+CHECKPOINTS = Path("checkpoints")
+RUNS = Path("runs")
+# The command that makes each folder of checkpoints, for the error when one is missing.
+MADE_BY = {"pretrain": "python train.py", "finetune": "python finetune.py", "dpo": "python dpo.py",
+           "ppo": "python ppo.py", "grpo": "python grpo.py"}
+
+
+@dataclass
+class Config:
+    vocab_size: int = VOCAB_SIZE
+    context: int = 256  # positions: an instruction (about 20 tokens) and a story of 200 fit
+    n_layer: int = 7
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.1
+
+
+TINY = dict(context=256, n_layer=2, n_head=2, n_embd=32)  # for tests: Config(vocab_size=..., **TINY)
+
+
+class KVCache:
+    """Each layer's keys and values for the positions written so far."""
+
+    def __init__(self, config, length):
+        self.n_layer, self.length, self.filled = config.n_layer, length, 0
+        self.keys = self.values = None  # made at the first call, in the dtype the layers produce
+
+    def add(self, layer, k, v):
+        batch, heads, new, head_size = k.shape
+        if self.keys is None:
+            shape = (self.n_layer, batch, heads, self.length, head_size)
+            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+        end = self.filled + new
+        self.keys[layer, :, :, self.filled:end] = k
+        self.values[layer, :, :, self.filled:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def repeat(self, copies):
+        """A cache of one prompt becomes a cache of `copies` identical rows."""
+        self.keys = self.keys.repeat(1, copies, 1, 1, 1)
+        self.values = self.values.repeat(1, copies, 1, 1, 1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.proj_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache=None, layer=0):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            # Either the whole prompt from position 0, or one new token that may see all before it.
+            assert cache.filled == 0 or T == 1, "the cache takes a prompt first, then one token at a time"
+            k, v = cache.add(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=T > 1)
+        return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.down = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attention = SelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.attention(self.ln1(x), cache, layer)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
+        self.position_embedding = nn.Embedding(config.context, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # tied: one matrix reads and writes tokens
+        self.apply(self.init_weights)
+        # GPT-2's scaling: each block adds to the stream twice, so its output layers start smaller.
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def parameter_count(self):
+        return sum(p.numel() for p in self.parameters())  # the tied matrix counts once
+
+    def forward(self, tokens, targets=None, cache=None):
+        """Logits for every position, and the mean next-token loss where targets are given
+        (-1 marks a target to skip)."""
+        B, T = tokens.shape
+        start = cache.filled if cache is not None else 0
+        if start + T > self.config.context:
+            raise ValueError(f"{start + T} positions is more than the model's context of {self.config.context}")
+        positions = torch.arange(start, start + T, device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.filled += T  # every layer wrote its keys and values at the same positions
+        logits = self.head(self.ln(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_k=None, stop=None, generator=None):
+        """Writes up to max_new_tokens after each row of prompts (B, T: one length for all),
+        every row at once. Temperature 0 takes the likeliest token. A row that writes `stop`
+        writes only `stop` after it, and writing ends early once every row has stopped.
+        Returns the prompts with what was written after them: (B, T + tokens written)."""
+        B, T = prompts.shape
+        assert max_new_tokens >= 1, "write at least one token"
+        cache = KVCache(self.config, T + max_new_tokens)
+        # A group repeats one prompt: run it once, with a batch of one, then copy its keys and
+        # values to every row; the next-token logits of that one row serve every row too.
+        shared = B > 1 and bool((prompts == prompts[:1]).all())
+        logits, _ = self(prompts[:1] if shared else prompts, cache=cache)
+        logits = logits[:, -1].expand(B, -1)
+        if shared:
+            cache.repeat(B)
+        written = []
+        ended = torch.zeros(B, dtype=torch.bool, device=prompts.device)
+        while True:
+            token = next_token(logits, temperature, top_k, generator)
+            if stop is not None:
+                token = torch.where(ended, stop, token)
+                ended |= token == stop
+            written.append(token)
+            if len(written) == max_new_tokens or (stop is not None and bool(ended.all())):
+                break
+            logits, _ = self(token[:, None], cache=cache)
+            logits = logits[:, -1]
+        return torch.cat([prompts, torch.stack(written, dim=1)], dim=1)
+
+
+def next_token(logits, temperature, top_k, generator):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    # Inverse-CDF sampling: draw a uniform number and take the token where it falls in the
+    # running sum of the probabilities. It samples from the same distribution as
+    # torch.multinomial, several times faster on a CPU (which spends its time drawing noise
+    # for every one of the 5,376 tokens). The draw is scaled by the last sum, which rounding
+    # leaves a hair off 1, so it can never land past the last token.
+    running_sum = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    uniform = torch.rand(logits.size(0), 1, generator=generator, device=logits.device, dtype=torch.float64)
+    return torch.searchsorted(running_sum, uniform * running_sum[:, -1:], right=True).squeeze(1)
+
+
+# ---------------------------------------------------------------- devices and precision
+
+def pick_device(name=None):
+    """The GPU when there is one (CUDA, then Apple's MPS), else the CPU; --device overrides."""
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast(device, precision):
+    """Matrix products in bfloat16 where asked, weights and their updates in float32."""
+    if precision == "bf16":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def default_precision(device):
+    """bf16 on CUDA GPUs that have it and on CPUs that multiply bf16 matrices clearly faster
+    than fp32 (this one: about 2.7 times; many laptops' CPUs: slower); fp32 elsewhere, Apple's
+    MPS included. --precision overrides it."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if device.type == "cpu":
+        return "bf16" if bf16_speedup_on_cpu() > 1.5 else "fp32"
+    return "fp32"
+
+
+def bf16_speedup_on_cpu(size=512, repeats=8):
+    """How many times faster this CPU multiplies bf16 matrices than fp32 ones."""
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, dtype=dtype)
+        a @ a  # warm up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ a
+        seconds[dtype] = time.perf_counter() - start
+    return seconds[torch.float32] / seconds[torch.bfloat16]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def checkpoint_file(path):
+    """A folder means the final model in it, model.pt; a file is itself."""
+    path = Path(path)
+    return path if path.suffix == ".pt" else path / "model.pt"
+
+
+def save_checkpoint(path, model, tokenizer, made_by, optimizer=None):
+    """Weights, config, the tokenizer they were trained with, and what made them
+    (script, step, settings), written to a temporary file and then renamed."""
+    checkpoint = {"model": model.state_dict(), "config": asdict(model.config),
+                  "tokenizer": tokenizer.fingerprint(), "made_by": made_by}
+    if optimizer is not None:
+        checkpoint["optimizer"] = optimizer.state_dict()
+    with atomic(checkpoint_file(path)) as tmp:
+        torch.save(checkpoint, tmp)
+
+
+def read_checkpoint(path):
+    """The checkpoint's contents, loaded with weights_only=True: tensors and plain values,
+    never code. Missing, damaged or foreign files stop with one line."""
+    file = checkpoint_file(path)
+    # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is grpo.py's.
+    folders = file.parts[:-1]
+    script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else None
+    command = MADE_BY.get(script_folder, "the script that writes it")
+    if not file.exists():
+        raise SystemExit(f"no checkpoint at {file}: make it with {command}")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several kinds for a damaged or unsafe file
+        raise SystemExit(f"{file} is not a checkpoint that loads safely ({type(error).__name__}); "
+                         f"make it again with {command}")
+    if not isinstance(checkpoint, dict) or not {"model", "config", "tokenizer", "made_by"} <= checkpoint.keys():
+        raise SystemExit(f"{file} is not a checkpoint of this series; make it again with {command}")
+    return checkpoint
+
+
+def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
+    """The model in a checkpoint, on `device`; with a tokenizer, refuses a model trained with
+    another one (its tokens would mean other things)."""
+    checkpoint = read_checkpoint(path)
+    file = checkpoint_file(path)
+    if tokenizer is not None and checkpoint["tokenizer"] != tokenizer.fingerprint():
+        raise SystemExit(f"{file} was trained with another tokenizer than data/tokenizer.json; "
+                         "train it again, or prepare the data it was trained on")
+    try:
+        model = GPT(Config(**checkpoint["config"]))
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0]
+        raise SystemExit(f"{file} does not match the model it describes ({reason})")
+    if not quiet:
+        made_by = checkpoint["made_by"]
+        print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} "
+              f"({made_by.get('script', '?')}, step {made_by.get('step', '?')})")
+    return model.to(device)
+
+
+if __name__ == "__main__":
+    model = GPT(Config())
+    print(model)
+    print(f"{model.parameter_count():,} parameters")

@@ -1,0 +1,89 @@
+import pickle
+
+import pytest
+import torch
+
+import tokenizer as bpe
+from model import checkpoint_file, load_checkpoint, read_checkpoint, save_checkpoint
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this ran code",))
+
+
+def test_saved_model_loads_with_the_same_outputs(small_model, small_tokenizer, tmp_path):
+    folder = tmp_path / "checkpoints" / "finetune"
+    save_checkpoint(folder, small_model, small_tokenizer, {"script": "test", "step": 3, "settings": {"lr": 1e-3}})
+    loaded = load_checkpoint(folder, tokenizer=small_tokenizer).eval()
+    tokens = torch.randint(0, small_tokenizer.vocab_size, (2, 10))
+    small_model.eval()
+    assert torch.equal(loaded(tokens)[0], small_model(tokens)[0])
+    assert read_checkpoint(folder)["made_by"]["settings"] == {"lr": 1e-3}
+    assert [p.name for p in folder.iterdir()] == ["model.pt"]  # no temporary file left
+
+
+def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):
+    with pytest.raises(SystemExit, match="python finetune.py"):
+        load_checkpoint(tmp_path / "checkpoints" / "finetune")
+    with pytest.raises(SystemExit, match="python grpo.py"):
+        load_checkpoint(tmp_path / "checkpoints" / "grpo" / "kl-0.05" / "rollout-10.pt")
+
+
+def test_truncated_checkpoint_is_refused(small_model, small_tokenizer, tmp_path):
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test"})
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(SystemExit, match="not a checkpoint that loads safely"):
+        load_checkpoint(path)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_pickle_that_would_run_code_is_refused(tmp_path, capsys):
+    path = tmp_path / "model.pt"
+    torch.save({"model": Evil(), "config": {}, "tokenizer": "", "made_by": {}}, path)
+    with pytest.raises(SystemExit, match="not a checkpoint that loads safely"):
+        load_checkpoint(path)
+    assert "this ran code" not in capsys.readouterr().out
+    path.write_bytes(pickle.dumps([1, 2, 3]))
+    with pytest.raises(SystemExit):
+        load_checkpoint(path)
+
+
+def test_wrong_shaped_weights_are_refused_not_half_loaded(small_model, small_tokenizer, tmp_path):
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test"})
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["n_embd"] = 64  # the weights are 32 wide
+    torch.save(checkpoint, path)
+    with pytest.raises(SystemExit, match="does not match"):
+        load_checkpoint(path)
+
+
+def test_model_of_another_tokenizer_is_refused(small_model, small_tokenizer, tmp_path):
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test"})
+    other = bpe.train(["another text entirely, with other merges"] * 5, vocab_size=280, progress=False)
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        load_checkpoint(path, tokenizer=other)
+
+
+def test_interrupted_save_keeps_the_old_checkpoint(small_model, small_tokenizer, tmp_path, monkeypatch):
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 1})
+
+    def interrupted(obj, file):
+        with open(file, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 2})
+    assert read_checkpoint(path)["made_by"]["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_a_folder_means_its_final_model():
+    assert checkpoint_file("checkpoints/ppo/kl-0.05").name == "model.pt"
+    assert checkpoint_file("checkpoints/ppo/kl-0.05/rollout-10.pt").name == "rollout-10.pt"

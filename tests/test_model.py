@@ -1,0 +1,111 @@
+import pytest
+import torch
+
+import model as gpt
+from conftest import always_writes
+from model import GPT, TINY, Config, KVCache
+from tokenizer import VOCAB_SIZE
+
+
+def tiny_model(seed=0, vocab_size=97):
+    torch.manual_seed(seed)
+    model = GPT(Config(vocab_size=vocab_size, **TINY))
+    # Larger weights than at initialisation, so the logits are far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+def generate_by_recomputing(model, prompt, new_tokens):
+    """Greedy generation the slow way: the whole prefix again for every new token."""
+    tokens = prompt
+    for _ in range(new_tokens):
+        logits, _ = model(tokens)
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+def test_series_model_has_about_14_6_million_parameters():
+    count = GPT(Config()).parameter_count()
+    assert Config().vocab_size == VOCAB_SIZE
+    assert 14.5e6 <= count <= 14.7e6
+
+
+def test_greedy_generation_with_the_cache_equals_recomputing_the_prefix():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        slow = generate_by_recomputing(model, prompt, 40)
+    fast = model.generate(prompt, 40, temperature=0)
+    assert torch.equal(fast, slow)
+
+
+def test_a_repeated_prompt_runs_once_and_gives_what_separate_prompts_give():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    one = model.generate(prompt, 30, temperature=0)
+    group = model.generate(prompt.repeat(8, 1), 30, temperature=0)
+    assert torch.equal(group, one.repeat(8, 1))
+    calls = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    model.generate(prompt.repeat(8, 1), 3)
+    assert calls == [1, 8, 8]  # the prompt with one row, then each new token with all eight
+
+
+def test_a_batch_of_one_prompt_with_one_seed_is_reproducible():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (1, 5)).repeat(8, 1)
+    first = model.generate(prompt, 30, generator=torch.Generator().manual_seed(7))
+    again = model.generate(prompt, 30, generator=torch.Generator().manual_seed(7))
+    other = model.generate(prompt, 30, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert len({tuple(row) for row in first[:, 5:].tolist()}) > 1  # the stories of a group differ
+
+
+def test_sampling_follows_the_model_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1e9]]).repeat(20000, 1)
+    tokens = gpt.next_token(logits, 1.0, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(shares, torch.softmax(logits[0], -1), atol=0.015)
+    top2 = gpt.next_token(logits, 1.0, 2, torch.Generator().manual_seed(0))
+    assert set(top2.tolist()) == {1, 2}
+
+
+def test_generation_stops_at_the_stop_token_and_pads_with_it():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(3))
+    free = model.generate(prompt, 30, temperature=0)
+    stop = free[0, 6 + 4].item()  # the fifth token the first row writes
+    stopped = model.generate(prompt, 30, temperature=0, stop=stop)
+    first_row = stopped[0, 6:].tolist()
+    end = first_row.index(stop)
+    assert end <= 4 and all(t == stop for t in first_row[end:])
+    assert torch.equal(stopped[0, :6 + end + 1], free[0, :6 + end + 1])
+
+
+def test_writing_ends_early_once_every_row_has_stopped():
+    model = tiny_model()
+    always_writes(model, 5)
+    out = model.generate(torch.randint(0, 97, (4, 6)), 30, stop=5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (4, 7) and torch.all(out[:, 6] == 5)
+
+
+def test_context_is_enforced():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, 257, dtype=torch.long))
+
+
+def test_cache_refuses_several_tokens_after_the_prompt():
+    model = tiny_model()
+    cache = KVCache(model.config, 20)
+    model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(AssertionError):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+def test_pick_device_honours_an_override():
+    assert gpt.pick_device("cpu") == torch.device("cpu")
+    assert gpt.pick_device().type in {"cpu", "cuda", "mps"}
