@@ -1,0 +1,36 @@
+"""What the benchmarks share: running each variant in a fresh process, so that its peak
+memory is its own, and describing the machine the figures came from."""
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+
+import torch
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def peak_memory_mb(device):
+    """The most memory the process held: GPU memory on CUDA, resident memory elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kilobytes / 1024 if sys.platform != "darwin" else kilobytes / 2**20
+
+
+def run_variant(script, variant, extra=()):
+    """Runs `script --variant VARIANT` in a new process and returns the JSON it prints last."""
+    done = subprocess.run([sys.executable, script, "--variant", variant, *extra],
+                          check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])

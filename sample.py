@@ -1,0 +1,98 @@
+"""
+Episode 4, sampling: from a prompt to a story, one token at a time.
+
+write() is what every later episode uses to hear from a model: a prompt in, a story out,
+with a temperature (1 samples from the model's own distribution; lower is safer and duller;
+0 always takes the likeliest token), top-k (sample only among the k likeliest tokens), a
+seed, and at most MAX_NEW_TOKENS. A story stops at its first end-of-text, which it keeps:
+ending a story is something the model has to learn too.
+
+write_stories() writes many stories in one pass: prompts of one length go into one batch,
+with the model's KV cache (model.py), and a batch finishes early once every story has
+ended. The RL episodes write 8 or 128 stories at once this way.
+
+A prompt starts with an end-of-text token, as every story did in pretraining, so the model
+knows a new story begins. Generation runs in float32: on this CPU, bfloat16 makes the
+matrix products faster but attention over the cache slower, for no gain overall.
+
+    python sample.py --words rain cake jump                  (the fine-tuned model)
+    python sample.py --model checkpoints/pretrain --prompt "Once upon a time"
+"""
+import argparse
+
+import torch
+
+from data import instruction, load_tokenizer
+from model import CHECKPOINTS, load_checkpoint, pick_device
+
+MAX_NEW_TOKENS = 200  # the most tokens a story gets
+
+
+def encode_prompt(tokenizer, prompt):
+    # An end-of-text first: in pretraining, every story came right after one.
+    return [tokenizer.eot] + tokenizer.encode(prompt)
+
+
+def cut_at_end(tokens, eot):
+    """A story's tokens up to and including its first end-of-text."""
+    return tokens[: tokens.index(eot) + 1] if eot in tokens else tokens
+
+
+def write_stories(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_k=None, seed=0,
+                  batch=128):
+    """One story per prompt (texts), as lists of tokens cut after their first end-of-text.
+    Prompts of one length are written together, `batch` at a time; with a seed, the same
+    prompts give the same stories."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    by_length = {}
+    for i, tokens in enumerate(encoded):
+        by_length.setdefault(len(tokens), []).append(i)
+    stories = [None] * len(prompts)
+    was_training = model.training
+    model.eval()  # no dropout while writing
+    for length in sorted(by_length):
+        indices = by_length[length]
+        for start in range(0, len(indices), batch):
+            rows = indices[start:start + batch]
+            prompt = torch.tensor([encoded[i] for i in rows], device=device)
+            out = model.generate(prompt, max_new_tokens, temperature, top_k, stop=tokenizer.eot, generator=generator)
+            for i, row in zip(rows, out[:, length:].tolist()):
+                stories[i] = cut_at_end(row, tokenizer.eot)
+    model.train(was_training)
+    return stories
+
+
+def write(model, tokenizer, prompt, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_k=None, seed=0):
+    """The story a model writes after a prompt, as text; it ends with <|endoftext|> if the model ended it."""
+    (story,) = write_stories(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, seed)
+    return tokenizer.decode(story)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Write a story with a trained model.")
+    parser.add_argument("--model", default=str(CHECKPOINTS / "finetune"), help="a checkpoint folder or file")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--words", nargs=3, metavar="WORD", help="three words to ask for")
+    group.add_argument("--prompt", help="any text to continue (default: Once upon a time)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=MAX_NEW_TOKENS, help="the most new tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
+    args = parser.parse_args()
+    if args.temperature < 0 or (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
+        parser.error("--temperature must be at least 0, --top-k and --tokens at least 1")
+
+    tokenizer = load_tokenizer()
+    model = load_checkpoint(args.model, pick_device(args.device), tokenizer)
+    prompt = instruction(args.words) if args.words else (args.prompt or "Once upon a time")
+    room = model.config.context - len(encode_prompt(tokenizer, prompt))
+    if room < 1:
+        parser.error(f"the prompt is longer than the model's context of {model.config.context} tokens")
+    print(prompt + write(model, tokenizer, prompt, min(args.tokens, room), args.temperature, args.top_k, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+from conftest import always_writes
+from sample import cut_at_end, encode_prompt, write, write_stories
+
+
+def test_prompt_starts_with_end_of_text(small_tokenizer):
+    tokens = encode_prompt(small_tokenizer, "Write a story.\n")
+    assert tokens[0] == small_tokenizer.eot and small_tokenizer.decode(tokens[1:]) == "Write a story.\n"
+
+
+def test_story_is_cut_after_its_first_end_of_text():
+    assert cut_at_end([5, 6, 9, 7, 9], 9) == [5, 6, 9]
+    assert cut_at_end([5, 6, 7], 9) == [5, 6, 7]
+
+
+def test_a_story_stops_at_end_of_text_and_keeps_it(small_model, small_tokenizer):
+    always_writes(small_model, small_tokenizer.eot)
+    assert write(small_model, small_tokenizer, "Once upon a time") == "<|endoftext|>"
+
+
+def test_write_gives_at_most_the_tokens_asked_for_and_a_seed_repeats_it(small_model, small_tokenizer):
+    (tokens,) = write_stories(small_model, small_tokenizer, ["Once upon a time"], max_new_tokens=12, seed=3)
+    assert len(tokens) == 12 and small_tokenizer.eot not in tokens  # random weights rarely end a story
+    story = write(small_model, small_tokenizer, "Once upon a time", max_new_tokens=12, seed=3)
+    assert story == small_tokenizer.decode(tokens)
+    assert write(small_model, small_tokenizer, "Once upon a time", max_new_tokens=12, seed=4) != story
+
+
+def test_stories_of_prompts_of_several_lengths_come_back_in_order(small_model, small_tokenizer):
+    prompts = ["Once upon a time", "A kite", "The river was", "A kite flew"]
+    together = write_stories(small_model, small_tokenizer, prompts, max_new_tokens=15, temperature=0)
+    alone = [write_stories(small_model, small_tokenizer, [p], max_new_tokens=15, temperature=0)[0] for p in prompts]
+    assert together == alone
+
+
+def test_writing_leaves_a_training_model_in_training(small_model, small_tokenizer):
+    small_model.train()
+    write(small_model, small_tokenizer, "A kite", max_new_tokens=3)
+    assert small_model.training
