@@ -1,0 +1,97 @@
+"""
+Benchmark: pretraining speed of the series model (14.6M parameters), a batch of
+train.BATCH windows of train.CONTEXT tokens, forward, backward and AdamW step, in fp32 and
+with bf16 autocast; and how much of the machine's matrix-product peak that reaches.
+
+The peak is measured here, with large matrix products in each precision. A training step
+costs about 6 floating-point operations per parameter per token (2 forward, 4 backward),
+plus attention: 12 x layers x width x context per token (PaLM's appendix B). The token
+embedding counts, as it is also the output layer; the position embedding, a lookup, doesn't.
+
+    python bench/train.py        (about 3 minutes on a 2-core CPU)
+
+Each variant runs in a fresh process, so the peak memory it reports is its own.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, peak_memory_mb, run_variant  # noqa: E402
+from model import GPT, Config, pick_device  # noqa: E402
+from train import BATCH, CONTEXT, make_optimizer, train_step  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_peak(device, dtype, size=4096, repeats=10):
+    """FLOP/s of a large square matrix product: the most this machine does."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def flops_per_token(model):
+    c = model.config
+    matrices = model.parameter_count() - c.context * c.n_embd  # all but the position lookup
+    return 6 * matrices + 12 * c.n_layer * c.n_embd * CONTEXT
+
+
+def measure(precision, steps, device):
+    torch.manual_seed(0)
+    model = GPT(Config()).to(device).train()
+    optimizer = make_optimizer(model)
+    x = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT), device=device)
+    y = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT), device=device)
+    train_step(model, optimizer, x, y, device, precision, 1e-4)  # warm up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, optimizer, x, y, device, precision, 1e-4)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    tokens_per_second = steps * BATCH * CONTEXT / (time.perf_counter() - started)
+    peak = matmul_peak(device, DTYPES[precision])
+    achieved = tokens_per_second * flops_per_token(model)
+    return {"precision": precision, "tokens_per_second": tokens_per_second, "tflops": achieved / 1e12,
+            "peak_tflops": peak / 1e12, "share_of_peak": achieved / peak, "peak_memory_mb": peak_memory_mb(device)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device")
+    parser.add_argument("--variant", choices=list(DTYPES), help="run one precision here (used internally)")
+    args = parser.parse_args()
+    device = pick_device(args.device)
+    if args.variant:
+        print(json.dumps(measure(args.variant, args.steps, device)))
+        return
+
+    print(f"machine: {machine()}; device: {device}")
+    print(f"batch {BATCH} x context {CONTEXT}, {args.steps} steps after one to warm up")
+    extra = ["--steps", str(args.steps)] + (["--device", args.device] if args.device else [])
+    print("| precision | tokens per second | TFLOP/s | matrix-product peak | share of peak | peak memory |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for precision in DTYPES:
+        r = run_variant(__file__, precision, extra)
+        print(f"| {precision} | {r['tokens_per_second']:,.0f} | {r['tflops']:.3f} | {r['peak_tflops']:.3f} | "
+              f"{r['share_of_peak']:.0%} | {r['peak_memory_mb']:,.0f} MB |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from model import GPT, TINY, Config
+
+
+def test_learning_rate_warms_up_then_decays_to_the_minimum():
+    assert train.learning_rate(0, 0.0) == pytest.approx(train.LR / train.WARMUP)
+    assert train.learning_rate(train.WARMUP, 0.0) == pytest.approx(train.LR)
+    assert train.learning_rate(10**6, 0.5) == pytest.approx((train.LR + train.MIN_LR) / 2)
+    assert train.learning_rate(10**6, 1.0) == pytest.approx(train.MIN_LR)
+    rates = [train.learning_rate(10**6, p / 10) for p in range(11)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_training_makes_the_loss_fall():
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=50, **TINY))
+    optimizer = train.make_optimizer(model)
+    tokens = np.tile(np.arange(50, dtype=np.uint16), 40)  # a sequence the model can learn
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(60):
+        x, y = train.random_batch(tokens, rng, "cpu", batch=8, context=32)
+        losses.append(train.train_step(model, optimizer, x, y, "cpu", "fp32", lr=1e-3))
+    assert losses[0] > math.log(50) - 0.5
+    assert np.mean(losses[-5:]) < losses[0] - 1.0
+
+
+def test_valid_loss_is_the_mean_over_its_windows():
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=50, **TINY)).eval()
+    tokens = np.random.default_rng(0).integers(0, 50, 200).astype(np.uint16)
+    got = train.valid_loss(model, tokens, "cpu", windows=None, context=16, batch=5)
+    windows = (len(tokens) - 1) // 16
+    starts = np.linspace(0, len(tokens) - 17, windows).astype(int)
+    by_hand = []
+    for s in starts:
+        window = torch.tensor(tokens[s:s + 17].astype(np.int64))
+        logits, _ = model(window[None, :-1])
+        by_hand.append(F.cross_entropy(logits[0], window[1:]).item())
+    assert got == pytest.approx(np.mean(by_hand), rel=1e-5)
+
+
+def test_missing_token_file_names_the_command(tmp_path):
+    with pytest.raises(SystemExit, match="python data.py"):
+        train.load_tokens("train", tmp_path)

@@ -1,0 +1,213 @@
+"""
+Episode 2, pretraining: the GPT learns to write stories by predicting each next token.
+
+Windows of CONTEXT tokens are drawn at random from data/train.bin (every story, each after
+an end-of-text token), and the model learns to predict each token from those before it.
+AdamW, a short warmup and then a cosine decay of the learning rate, gradients clipped at 1,
+bfloat16 matrix products where the device does them faster (model.default_precision), the
+validation loss on fixed windows of data/valid.bin every so often, TensorBoard scalars and
+a sample story, and a checkpoint in checkpoints/pretrain/ at each validation.
+
+Departures from the usual recipe: the run is budgeted in minutes (--minutes) rather than
+steps, so the cosine decay follows the share of the budget used, whichever of time and
+--steps runs out first; that way a learner on any machine gets a fully decayed model at
+the end of the time they chose. With --resume it goes on from its last checkpoint, on the
+schedule it started with (its --minutes and --steps, and the minutes already trained).
+
+    python train.py --minutes 60
+"""
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from data import DATA, load_tokenizer
+from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
+                   read_checkpoint, save_checkpoint)
+from sample import write
+
+BATCH = 16  # windows per step
+CONTEXT = Config.context  # tokens per window, the model's whole context: a story, often with the next one's start
+LR = 1e-3  # the peak learning rate, after warmup
+MIN_LR = 1e-4  # where the cosine ends
+WARMUP = 100  # steps
+WEIGHT_DECAY = 0.1  # on matrices only, not on biases and layer norms
+BETAS = (0.9, 0.95)
+CLIP = 1.0  # the most gradient norm a step takes
+EVAL_EVERY = 250  # steps between validations
+EVAL_WINDOWS = 256  # fixed windows of valid.bin for the loss during training
+SEED = 1337
+
+
+def training_parser(description, minutes, precision=None):
+    """The options of every script that trains for a time budget (this one, finetune.py, dpo.py)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--minutes", type=float, default=minutes, help=f"training time (default {minutes:g})")
+    parser.add_argument("--steps", type=int, help="stop after this many steps, if sooner")
+    parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=precision,
+                        help=f"default: {precision or 'bf16 where it is faster'}")
+    return parser
+
+
+def parse_training_args(parser):
+    args = parser.parse_args()
+    if args.minutes <= 0 or (args.steps is not None and args.steps <= 0):
+        parser.error("--minutes and --steps must be positive")
+    return args
+
+
+def budget_used(seconds, minutes, step, steps):
+    """The share of the budget used: of the minutes, or of the steps if those run out first."""
+    return max(seconds / (minutes * 60), step / steps if steps else 0.0)
+
+
+def load_tokens(split, folder=DATA):
+    """data/train.bin or data/valid.bin as a memmap: read from disk as needed, never loaded whole."""
+    path = folder / f"{split}.bin"
+    if not path.exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def random_batch(tokens, rng, device, batch=BATCH, context=CONTEXT):
+    starts = rng.integers(0, len(tokens) - context - 1, size=batch)
+    windows = torch.from_numpy(np.stack([tokens[s:s + context + 1] for s in starts]).astype(np.int64))
+    return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+
+@torch.no_grad()
+def valid_loss(model, tokens, device, precision="fp32", windows=EVAL_WINDOWS, context=CONTEXT, batch=BATCH):
+    """The mean next-token loss on `windows` windows spread evenly over tokens (None: all of
+    them, end to end). The same windows every time, so the figures compare."""
+    if windows is None:
+        windows = (len(tokens) - 1) // context
+    starts = np.linspace(0, len(tokens) - context - 1, windows).astype(np.int64)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(0, len(starts), batch):
+        rows = np.stack([tokens[s:s + context + 1] for s in starts[i:i + batch]]).astype(np.int64)
+        rows = torch.from_numpy(rows).to(device)
+        with autocast(device, precision):
+            _, loss = model(rows[:, :-1], rows[:, 1:])
+        total += loss.item() * len(rows)
+    model.train(was_training)
+    return total / len(starts)
+
+
+def learning_rate(step, progress, peak=LR, floor=MIN_LR, warmup=WARMUP):
+    """Linear warmup over `warmup` steps, then a cosine from peak to floor as progress goes 0 to 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model, lr=LR):
+    # Decay only the matrices: shrinking biases and layer norms toward 0 helps nothing.
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": WEIGHT_DECAY}, {"params": others, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def train_step(model, optimizer, x, y, device, precision, lr):
+    """One step: the loss of predicting every target, its gradients, clipped, and the update."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with autocast(device, precision):
+        _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    return loss.item()
+
+
+def main():
+    parser = training_parser("Pretrain the GPT on the train stories.", minutes=60)
+    parser.add_argument("--resume", action="store_true", help="go on from checkpoints/pretrain/model.pt")
+    args = parse_training_args(parser)
+
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    tokenizer = load_tokenizer()
+    train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
+    folder = CHECKPOINTS / "pretrain"
+
+    # A new model, or the last checkpoint with its optimizer, step and time so far.
+    torch.manual_seed(SEED)
+    step, elapsed = 0, 0.0
+    if args.resume:
+        model = load_checkpoint(folder, device, tokenizer)
+        optimizer = make_optimizer(model)
+        checkpoint = read_checkpoint(folder)
+        if "optimizer" not in checkpoint:
+            raise SystemExit(f"{folder} holds no optimizer state to resume from")
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        made_by = checkpoint["made_by"]
+        step, elapsed = made_by["step"], made_by["seconds"]
+        # The schedule is the one the run started with, whatever the command line says now.
+        args.minutes, args.steps = made_by["settings"]["minutes"], made_by["settings"]["steps"]
+        print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
+    else:
+        model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
+        optimizer = make_optimizer(model)
+        print(f"model: {model.parameter_count() / 1e6:.2f}M parameters")
+    settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH, "context": CONTEXT,
+                "lr": LR, "min_lr": MIN_LR, "warmup": WARMUP, "weight_decay": WEIGHT_DECAY, "betas": BETAS,
+                "clip": CLIP, "eval_every": EVAL_EVERY, "seed": SEED}
+    print(json.dumps(settings))
+    writer = SummaryWriter(RUNS / "pretrain")
+    writer.add_text("settings", json.dumps(settings, indent=1), step)
+
+    def validate_and_save():
+        loss = valid_loss(model, valid_tokens, device, precision)
+        story = write(model, tokenizer, "Once upon a time", max_new_tokens=120, seed=step)
+        writer.add_scalar("loss/valid", loss, step)
+        writer.add_text("sample", story, step)
+        writer.flush()
+        made_by = {"script": "train.py", "step": step, "seconds": elapsed, "valid_loss": loss, "settings": settings}
+        save_checkpoint(folder, model, tokenizer, made_by, optimizer)
+        print(f"step {step}: valid loss {loss:.3f}\n  Once upon a time{story[:300]}")
+
+    rng = np.random.default_rng(SEED + step)  # a resumed run draws new windows
+    model.train()
+    started = time.time() - elapsed
+    interval_start, interval_tokens = time.time(), 0
+    while True:
+        elapsed = time.time() - started
+        progress = budget_used(elapsed, args.minutes, step, args.steps)
+        if progress >= 1.0:
+            break
+        # Predict every next token of a batch of windows, and move the weights.
+        lr = learning_rate(step, progress)
+        x, y = random_batch(train_tokens, rng, device)
+        loss = train_step(model, optimizer, x, y, device, precision, lr)
+        step += 1
+        interval_tokens += x.numel()
+
+        if step % 10 == 0:
+            tokens_per_second = interval_tokens / (time.time() - interval_start)
+            writer.add_scalar("loss/train", loss, step)
+            writer.add_scalar("lr", lr, step)
+            writer.add_scalar("tokens_per_second", tokens_per_second, step)
+            print(f"step {step}: loss {loss:.3f}, lr {lr:.2e}, {tokens_per_second:.0f} tokens/s, "
+                  f"{elapsed / 60:.1f} min", flush=True)
+            interval_start, interval_tokens = time.time(), 0
+        if step % EVAL_EVERY == 0:
+            validate_and_save()
+            interval_start, interval_tokens = time.time(), 0
+
+    elapsed = time.time() - started
+    validate_and_save()
+    writer.close()
+    print(f"done: {step} steps, {elapsed / 60:.1f} minutes; the model is in {folder}/model.pt")
+
+
+if __name__ == "__main__":
+    main()
