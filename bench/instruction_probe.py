@@ -1,0 +1,67 @@
+"""
+Probe: does a model read its instruction? For held-back training instructions (the ones
+finetune.py keeps out of training), the mean log-probability the model gives the first use
+of each requested word in the story, after its own instruction, after another example's
+instruction, and after no instruction at all. A model that follows instructions gives the
+first with its own instruction a much higher log-probability than without.
+
+    python bench/instruction_probe.py checkpoints/finetune
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data import DATA, load_tokenizer  # noqa: E402
+from finetune import HELD_BACK, SEED  # noqa: E402
+from model import load_checkpoint  # noqa: E402
+from sample import encode_prompt  # noqa: E402
+
+
+def first_uses(model, tokenizer, prompt, example):
+    """Log-probabilities of the first use of each requested word (as a word with its space)."""
+    story = tokenizer.encode(example["story"])[:200]
+    tokens = torch.tensor([prompt + story])
+    logits, _ = model(tokens[:, :-1])
+    logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+    found = []
+    for word in example["words"]:
+        token = tokenizer.encode(" " + word)[0]
+        if token in story:
+            found.append(logprobs[len(prompt) + story.index(token) - 1, token].item())
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", help="a checkpoint folder or file")
+    parser.add_argument("--examples", type=int, default=100)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer()
+    model = load_checkpoint(args.model, "cpu", tokenizer).eval()
+    with open(DATA / "instructions.jsonl", encoding="utf-8") as file:
+        examples = [json.loads(line) for line in file]
+    # The examples finetune.py held back, in its order.
+    order = np.random.default_rng(SEED).permutation(len(examples))
+    held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]
+    prompts = {
+        "its own instruction": lambda i, e: encode_prompt(tokenizer, e["instruction"]),
+        "another example's instruction": lambda i, e: encode_prompt(
+            tokenizer, held_back[(i + 1) % len(held_back)]["instruction"]),
+        "no instruction, just end-of-text": lambda i, e: [tokenizer.eot],
+    }
+    print("| the prompt before the story | mean log-probability of the first use of a requested word |")
+    print("| --- | --- |")
+    with torch.no_grad():
+        for label, prompt in prompts.items():
+            values = [v for i, e in enumerate(held_back) for v in first_uses(model, tokenizer, prompt(i, e), e)]
+            print(f"| {label} | {np.mean(values):.2f} ({len(values)} words) |")
+
+
+if __name__ == "__main__":
+    main()

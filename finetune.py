@@ -1,0 +1,155 @@
+"""
+Episode 3, instructions: the pretrained model learns to write a story for an instruction.
+
+Each example is a prompt (an end-of-text, then "Write a story that uses the words kite,
+river and brave." and a newline), then the story, then end-of-text: the instructions of
+data/instructions.jsonl, one per train story. The loss counts only the story's tokens and
+its end-of-text, so the model learns to answer instructions, not to write them, and to end
+a story on its own. Pretraining's optimizer, schedule over --minutes and training step
+(train.py), with a smaller learning rate, as the model should keep what it knows.
+
+Two losses are logged: on instructions held back from training (is it learning the task?)
+and on plain valid stories (does it still write stories? it should stay close to the
+pretrained model's). The final model goes to checkpoints/finetune/.
+
+Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
+are cut there, so they end without their end-of-text; a batch is padded to its longest
+example, the padding masked out of the loss.
+
+    python finetune.py --minutes 20
+"""
+import json
+import time
+
+import numpy as np
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from data import DATA, instruction, load_tokenizer
+from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
+from sample import encode_prompt, write
+from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
+                   train_step, training_parser, valid_loss)
+
+BATCH = 16  # examples per step
+MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
+LR = 3e-4  # the peak, a third of pretraining's
+MIN_LR = 3e-5
+WARMUP = 50  # steps
+EVAL_EVERY = 100  # steps
+HELD_BACK = 256  # train instructions kept out of training, for the instruction loss
+SEED = 1337
+EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
+
+
+def load_examples(tokenizer, path=DATA / "instructions.jsonl"):
+    """Each instruction as (tokens, prompt length): the prompt, the story, end-of-text."""
+    if not path.exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    examples = []
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            example = json.loads(line)
+            prompt = encode_prompt(tokenizer, example["instruction"])
+            tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
+            examples.append((tokens[:MAX_LENGTH], len(prompt)))
+    return examples
+
+
+def collate(examples, pad, device):
+    """A padded batch; targets are -1 (skipped by the loss) over prompts and padding."""
+    length = max(len(tokens) for tokens, _ in examples) - 1
+    x = torch.full((len(examples), length), pad, dtype=torch.long)
+    y = torch.full((len(examples), length), -1, dtype=torch.long)
+    for row, (tokens, prompt_length) in enumerate(examples):
+        tokens = torch.tensor(tokens)
+        x[row, :len(tokens) - 1] = tokens[:-1]
+        # Position i predicts token i + 1: the story starts at the prompt's length.
+        y[row, prompt_length - 1:len(tokens) - 1] = tokens[prompt_length:]
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def instruction_loss(model, examples, pad, device, precision):
+    """The loss on the stories of examples, as in training, without dropout."""
+    model.eval()
+    losses, counts = [], []
+    for start in range(0, len(examples), BATCH):
+        x, y = collate(examples[start:start + BATCH], pad, device)
+        with autocast(device, precision):
+            _, loss = model(x, y)
+        losses.append(loss.item())
+        counts.append(int((y >= 0).sum()))
+    model.train()
+    return float(np.average(losses, weights=counts))
+
+
+def main():
+    args = parse_training_args(training_parser("Fine-tune the pretrained model on instructions.", minutes=20))
+
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH,
+                "max_length": MAX_LENGTH, "lr": LR, "min_lr": MIN_LR, "warmup": WARMUP, "seed": SEED}
+    print(json.dumps(settings))
+    tokenizer = load_tokenizer()
+    torch.manual_seed(SEED)
+    model = load_checkpoint(CHECKPOINTS / "pretrain", device, tokenizer)
+    optimizer = make_optimizer(model, LR)
+
+    # Shuffle once with the seed; the last HELD_BACK examples measure the instruction loss.
+    rng = np.random.default_rng(SEED)
+    examples = load_examples(tokenizer)
+    order = rng.permutation(len(examples))
+    train_examples = [examples[i] for i in order[:-HELD_BACK]]
+    held_back = [examples[i] for i in order[-HELD_BACK:]]
+    valid_tokens = load_tokens("valid")
+    pad = tokenizer.eot  # any token: padding is never a target
+    writer = SummaryWriter(RUNS / "finetune")
+    writer.add_text("settings", json.dumps(settings, indent=1), 0)
+    folder = CHECKPOINTS / "finetune"
+    step = 0
+
+    def evaluate_and_save(save=True):
+        losses = {"instructions": instruction_loss(model, held_back, pad, device, precision),
+                  "plain": valid_loss(model, valid_tokens, device, precision)}
+        story = write(model, tokenizer, EXAMPLE, seed=step)
+        for name, value in losses.items():
+            writer.add_scalar(f"loss/{name}", value, step)
+        writer.add_text("story", EXAMPLE + story, step)
+        writer.flush()
+        if save:
+            made_by = {"script": "finetune.py", "step": step, "losses": losses, "settings": settings}
+            save_checkpoint(folder, model, tokenizer, made_by)
+        print(f"step {step}: loss on held-back instructions {losses['instructions']:.3f}, "
+              f"on plain stories {losses['plain']:.3f}\n  {EXAMPLE}  {story[:300]}")
+
+    evaluate_and_save(save=False)  # the pretrained model's figures, to compare against
+    model.train()
+    started, position = time.time(), 0
+    while True:
+        progress = budget_used(time.time() - started, args.minutes, step, args.steps)
+        if progress >= 1.0:
+            break
+        # Go through the examples in a new order each epoch.
+        if position + BATCH > len(train_examples):
+            rng.shuffle(train_examples)
+            position = 0
+        x, y = collate(train_examples[position:position + BATCH], pad, device)
+        position += BATCH
+        lr = learning_rate(step, progress, LR, MIN_LR, WARMUP)
+        loss = train_step(model, optimizer, x, y, device, precision, lr)
+        step += 1
+        if step % 10 == 0:
+            writer.add_scalar("loss/train", loss, step)
+            writer.add_scalar("lr", lr, step)
+            print(f"step {step}: loss {loss:.3f}, lr {lr:.2e}, {(time.time() - started) / 60:.1f} min", flush=True)
+        if step % EVAL_EVERY == 0:
+            evaluate_and_save()
+    evaluate_and_save()
+    writer.close()
+    print(f"done: {step} steps, {(time.time() - started) / 60:.1f} minutes; the model is in {folder}/model.pt")
+
+
+if __name__ == "__main__":
+    main()

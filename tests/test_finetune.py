@@ -1,0 +1,38 @@
+import numpy as np
+import torch
+
+import finetune
+import train
+from data import load_tokenizer
+from model import GPT, TINY, Config
+
+
+def test_only_the_story_and_its_end_are_targets():
+    examples = [([9, 1, 2, 3, 4, 5, 9], 3), ([9, 1, 2, 6, 9], 3)]  # prompt of 3, then the story
+    x, y = finetune.collate(examples, pad=0, device="cpu")
+    assert x.tolist() == [[9, 1, 2, 3, 4, 5], [9, 1, 2, 6, 0, 0]]
+    assert y.tolist() == [[-1, -1, 3, 4, 5, 9], [-1, -1, 6, 9, -1, -1]]
+
+
+def test_examples_are_prompt_story_and_end(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    examples = finetune.load_examples(tokenizer, workspace / "data" / "instructions.jsonl")
+    tokens, prompt_length = examples[0]
+    assert tokens[0] == tokenizer.eot and tokens[-1] == tokenizer.eot
+    assert tokenizer.decode(tokens[1:prompt_length]).startswith("Write a story that uses the words ")
+    assert all(len(t) <= finetune.MAX_LENGTH for t, _ in examples)
+
+
+def test_fine_tuning_makes_the_instruction_loss_fall(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    examples = finetune.load_examples(tokenizer, workspace / "data" / "instructions.jsonl")[:64]
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
+    optimizer = train.make_optimizer(model, lr=3e-3)
+    before = finetune.instruction_loss(model, examples, tokenizer.eot, "cpu", "fp32")
+    for step in range(40):
+        batch = [examples[i] for i in np.random.default_rng(step).choice(64, 8)]
+        x, y = finetune.collate(batch, tokenizer.eot, "cpu")
+        train.train_step(model, optimizer, x, y, "cpu", "fp32", 3e-3)
+    after = finetune.instruction_loss(model, examples, tokenizer.eot, "cpu", "fp32")
+    assert after < before - 1.0

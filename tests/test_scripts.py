@@ -1,0 +1,54 @@
+"""The pretraining and fine-tuning scripts run end to end, on the series-size model, for a
+few steps, in a copy of the workspace's data."""
+import shutil
+import sys
+
+import pytest
+
+import finetune
+import train
+from model import read_checkpoint
+
+
+@pytest.fixture
+def learner(workspace, tmp_path, monkeypatch):
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run(script, monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", [script.__name__ + ".py", *args])
+    script.main()
+
+
+def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts_from_it(learner, monkeypatch,
+                                                                                        capsys):
+    # A run of 4 steps, checkpointed every 2, interrupted during its third step.
+    real_step, steps_taken = train.train_step, []
+
+    def interrupted_at_the_third_step(*args, **kwargs):
+        if len(steps_taken) == 2:
+            raise KeyboardInterrupt
+        steps_taken.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "EVAL_EVERY", 2)
+    monkeypatch.setattr(train, "train_step", interrupted_at_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        run(train, monkeypatch, "--steps", "4", "--minutes", "30")
+    assert read_checkpoint(learner / "checkpoints" / "pretrain")["made_by"]["step"] == 2
+
+    # Resumed, with other numbers on the command line, it finishes the schedule it started with.
+    monkeypatch.setattr(train, "train_step", real_step)
+    run(train, monkeypatch, "--resume", "--steps", "99", "--minutes", "1")
+    assert "resuming at step 2" in capsys.readouterr().out
+    resumed = read_checkpoint(learner / "checkpoints" / "pretrain")
+    assert resumed["made_by"]["step"] == 4 and "optimizer" in resumed
+    assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
+
+    run(finetune, monkeypatch, "--steps", "2")
+    made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
+    assert made_by["script"] == "finetune.py" and made_by["step"] == 2
+    assert set(made_by["losses"]) == {"instructions", "plain"}
+    assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
