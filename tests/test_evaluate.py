@@ -1,0 +1,98 @@
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+from data import load_tokenizer
+from evaluate import load_instructions, measure, model_name, words_used
+from model import load_checkpoint
+
+
+@pytest.mark.parametrize("story, share", [
+    ("The kite flew over the river. Brave Tom!", 1.0),
+    ("THE KITE, the River... (and nothing else)", 2 / 3),
+    ("A brave boy.", 1 / 3),
+    ("", 0.0),
+    ("Skites and kiteboards; a rainbow over the riverbank; bravely.", 0.0),  # only inside other words
+    ("Two kites by the rivers, braver than ever.", 2 / 3),  # -s counts; -r does not
+    ("kite-river-brave", 1.0),  # a dash separates words
+])
+def test_words_used_counts_whole_words_in_any_case(story, share):
+    assert words_used(story, ["kite", "river", "brave"]) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("word, story, used", [
+    ("jump", "He jumped.", True), ("jump", "She jumps.", True), ("jump", "They were jumping.", True),
+    ("bake", "They baked.", True), ("bake", "She was baking.", True), ("bake", "He bakes.", True),
+    ("box", "Boxes!", True), ("wish", "Two wishes.", True), ("cry", "She cried and cries.", True),
+    ("stop", "It stopped.", True), ("run", "Running!", True), ("run", "He ran.", False),
+    ("cake", "The cakes' box.", True), ("kite", "Lily's kite", True),
+    ("car", "A card.", False), ("win", "The wind.", False), ("ten", "They tend it.", False),
+    ("car", "She cares.", False), ("rain", "The brain.", False),
+    ("hop", "She hoped.", True),  # the documented slip: hope's forms count for hop
+])
+def test_inflection_rule(word, story, used):
+    assert words_used(story, [word]) == float(used)
+
+
+@pytest.mark.parametrize("path, name", [
+    ("checkpoints/ppo/kl-0.05", "ppo-kl-0.05"),
+    ("checkpoints/grpo/kl-0/model.pt", "grpo-kl-0"),
+    ("checkpoints/grpo/kl-0.05/rollout-10.pt", "rollout-10"),
+    ("checkpoints/finetune", "finetune"),
+    ("checkpoints/finetune/model.pt", "finetune"),
+    ("checkpoints/dpo/", "dpo"),
+])
+def test_model_names(path, name):
+    assert model_name(path) == name
+
+
+def test_heldout_instructions_load_and_a_wrong_file_is_refused(workspace, tmp_path):
+    instructions = load_instructions(workspace / "heldout.json")
+    assert len(instructions) == 50 and sum(len(i["words"]) for i in instructions) == 150
+    with pytest.raises(SystemExit, match="comes with the repository"):
+        load_instructions(tmp_path / "missing.json")
+    (tmp_path / "heldout.json").write_text(json.dumps({"version": 1, "instructions": instructions[:49]}))
+    with pytest.raises(SystemExit, match="50 held-out"):
+        load_instructions(tmp_path / "heldout.json")
+
+
+@pytest.fixture
+def uniform_model(workspace):
+    """A model whose every logit is 0: its loss is exactly log(vocabulary), and it never
+    prefers the end-of-text token."""
+    tokenizer = load_tokenizer(workspace / "data")
+    model = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=tokenizer, quiet=True).eval()
+    with torch.no_grad():
+        model.ln.weight.zero_()
+        model.ln.bias.zero_()
+    return model, tokenizer
+
+
+def test_metrics_of_a_uniform_model_match_a_hand_computation(workspace, uniform_model, monkeypatch):
+    model, tokenizer = uniform_model
+    instructions = load_instructions(workspace / "heldout.json")
+    valid = np.memmap(workspace / "data" / "valid.bin", dtype=np.uint16, mode="r")
+    # Two stories end, with the first of their three words, and the others run on without them.
+    written = [tokenizer.encode(f"A {i['words'][0]}.") + [tokenizer.eot] if n < 2 else tokenizer.encode("Nothing.")
+               for n, i in enumerate(instructions)]
+    monkeypatch.setattr(evaluate, "write_stories", lambda *args, **kwargs: written)
+    result = measure(model, tokenizer, instructions, valid, "cpu")
+    assert result["words_used"] == pytest.approx(2 / 3 / 50)
+    assert result["ended"] == pytest.approx(2 / 50)
+    assert result["valid_loss"] == pytest.approx(math.log(tokenizer.vocab_size), rel=1e-5)
+
+
+def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, capsys):
+    monkeypatch.chdir(workspace)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune"])
+    evaluate.main()
+    out = capsys.readouterr().out
+    assert "| finetune |" in out
+    saved = json.loads((workspace / "runs" / "evaluate" / "finetune.json").read_text())
+    assert len(saved["stories"]) == 50 and 0 <= saved["words_used"] <= 1
+    assert f"| finetune | {saved['words_used']:.0%} | {saved['valid_loss']:.2f} | {saved['ended']:.0%} |" in out
