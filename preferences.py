@@ -1,0 +1,125 @@
+"""
+Episode 6, preferences: pairs of the fine-tuned model's own stories, one better than the other.
+
+For a training instruction, the fine-tuned model writes STORIES stories at temperature 1,
+and the reward (evaluate.words_used: the share of the requested words a story uses) picks
+the best as chosen and the worst as rejected. When all the stories score alike, nothing
+tells them apart, and the instruction gives no pair. The pairs keep the stories' tokens, as
+the model wrote them (decoding and encoding again could split the text differently), and
+their text, for people. They go to data/preferences.json with the settings that made them.
+
+load_asks() is here too: the training instructions, tokenized and grouped by their length
+in tokens, so that instructions of one length stack into a batch with no padding.
+
+    python preferences.py --instructions 2000
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from data import DATA, atomic, load_tokenizer
+from evaluate import words_used
+from model import CHECKPOINTS, load_checkpoint, pick_device
+from sample import MAX_NEW_TOKENS, encode_prompt, write_stories
+
+STORIES = 4  # stories per instruction, from which the best and the worst make a pair
+CHUNK = 32  # instructions written together, between progress lines
+SEED = 1337
+PAIRS = DATA / "preferences.json"
+
+
+def load_asks(tokenizer, path=DATA / "instructions.jsonl"):
+    """{length in tokens: [(prompt tokens, words), ...]} for the training instructions."""
+    if not path.exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    asks = {}
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            example = json.loads(line)
+            tokens = encode_prompt(tokenizer, example["instruction"])
+            asks.setdefault(len(tokens), []).append((tokens, example["words"]))
+    return asks
+
+
+def pick_pair(rewards):
+    """The indices of the best and the worst story (the first of each, on ties), or None
+    when every story scores alike."""
+    best, worst = int(np.argmax(rewards)), int(np.argmin(rewards))
+    return None if rewards[best] == rewards[worst] else (best, worst)
+
+
+def make_pairs(model, tokenizer, examples, stories_per=STORIES, seed=SEED):
+    """Writes stories_per stories for each example (a dict with instruction and words) and
+    returns the pairs of the examples that give one."""
+    prompts = [e["instruction"] for e in examples for _ in range(stories_per)]
+    stories = write_stories(model, tokenizer, prompts, MAX_NEW_TOKENS, seed=seed)
+    pairs = []
+    for i, example in enumerate(examples):
+        group = stories[i * stories_per:(i + 1) * stories_per]
+        texts = [tokenizer.decode(s) for s in group]
+        rewards = [words_used(t, example["words"]) for t in texts]
+        pair = pick_pair(rewards)
+        if pair:
+            chosen, rejected = pair
+            pairs.append({"instruction": example["instruction"], "words": example["words"],
+                          "chosen": texts[chosen], "rejected": texts[rejected],
+                          "chosen_tokens": group[chosen], "rejected_tokens": group[rejected],
+                          "chosen_reward": rewards[chosen], "rejected_reward": rewards[rejected]})
+    return pairs
+
+
+def load_pairs(path=PAIRS):
+    """The saved pairs and the settings that made them."""
+    if not path.exists():
+        raise SystemExit(f"no {path}: make it with python preferences.py")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        pairs, settings = saved["pairs"], saved["settings"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"{path} is not a file of preference pairs ({error}); "
+                         "make it again with python preferences.py")
+    if not pairs:
+        raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
+                         "make it again with python preferences.py --instructions N, N larger")
+    if any(p["chosen_reward"] <= p["rejected_reward"] for p in pairs):
+        raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
+    return pairs, settings
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Build preference pairs from the fine-tuned model's stories.")
+    parser.add_argument("--instructions", type=int, default=2000, help="training instructions to use")
+    parser.add_argument("--stories", type=int, default=STORIES, help="stories per instruction")
+    parser.add_argument("--model", default=str(CHECKPOINTS / "finetune"))
+    parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
+    args = parser.parse_args()
+    if args.instructions < 1 or args.stories < 2:
+        parser.error("--instructions must be at least 1 and --stories at least 2")
+
+    device = pick_device(args.device)
+    tokenizer = load_tokenizer()
+    model = load_checkpoint(args.model, device, tokenizer).eval()
+    # A fixed sample of the training instructions, the same for a seed.
+    with open(DATA / "instructions.jsonl", encoding="utf-8") as file:
+        examples = [json.loads(line) for line in file]
+    chosen = np.random.default_rng(SEED).permutation(len(examples))[:args.instructions]
+    examples = [examples[i] for i in sorted(chosen)]
+
+    pairs, started = [], time.time()
+    for start in range(0, len(examples), CHUNK):
+        pairs += make_pairs(model, tokenizer, examples[start:start + CHUNK], args.stories, SEED + start)
+        done = min(start + CHUNK, len(examples))
+        print(f"\r  {len(pairs)} pairs from {done} of {len(examples)} instructions "
+              f"({done - len(pairs)} tied), {(time.time() - started) / 60:.1f} min", end="", flush=True)
+    print()
+    settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}
+    with atomic(PAIRS) as tmp:
+        tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")
+    rewards = [p["chosen_reward"] - p["rejected_reward"] for p in pairs]
+    print(f"{len(pairs)} pairs in {PAIRS}; the chosen story uses {np.mean(rewards):.0%} more of the words on average")
+
+
+if __name__ == "__main__":
+    main()

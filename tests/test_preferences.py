@@ -1,0 +1,47 @@
+import json
+
+import pytest
+import torch
+
+import preferences
+
+
+def test_asks_are_grouped_by_their_length_in_tokens(workspace, workspace_tokenizer):
+    asks = preferences.load_asks(workspace_tokenizer, workspace / "data" / "instructions.jsonl")
+    lines = (workspace / "data" / "instructions.jsonl").read_text().splitlines()
+    assert sum(len(group) for group in asks.values()) == len(lines)
+    for length, group in asks.items():
+        assert all(len(tokens) == length and tokens[0] == workspace_tokenizer.eot and len(words) == 3
+                   for tokens, words in group)
+        assert torch.tensor([tokens for tokens, _ in group]).shape == (len(group), length)  # they stack
+
+
+def test_a_pair_needs_a_better_and_a_worse_story():
+    assert preferences.pick_pair([1 / 3, 1 / 3, 1 / 3, 1 / 3]) is None
+    assert preferences.pick_pair([0.0, 2 / 3, 1 / 3, 2 / 3]) == (1, 0)
+
+
+def test_pairs_never_tie_and_keep_the_tokens_the_model_wrote(workspace, workspace_tokenizer, workspace_model):
+    examples = [json.loads(line) for line in (workspace / "data" / "instructions.jsonl").read_text().splitlines()]
+    # Stories of a random tiny workspace_model rarely use a word; give them one to find in every example.
+    examples = [{**e, "words": [e["words"][0], "a", "the"]} for e in examples[:24]]
+    pairs = preferences.make_pairs(workspace_model, workspace_tokenizer, examples, stories_per=4, seed=0)
+    assert pairs
+    for pair in pairs:
+        assert pair["chosen_reward"] > pair["rejected_reward"]
+        assert workspace_tokenizer.decode(pair["chosen_tokens"]) == pair["chosen"]
+
+
+def test_pairs_are_saved_with_their_settings_and_read_back(workspace, run_main):
+    run_main(preferences, "--instructions", "16", "--stories", "3")
+    pairs, settings = preferences.load_pairs(workspace / "data" / "preferences.json")
+    assert settings["instructions"] == 16 and settings["stories"] == 3
+    assert all(p["chosen_reward"] > p["rejected_reward"] for p in pairs)
+
+
+def test_damaged_pairs_file_is_refused(tmp_path):
+    (tmp_path / "preferences.json").write_text('{"pairs": [')
+    with pytest.raises(SystemExit, match="python preferences.py"):
+        preferences.load_pairs(tmp_path / "preferences.json")
+    with pytest.raises(SystemExit, match="python preferences.py"):
+        preferences.load_pairs(tmp_path / "missing.json")
