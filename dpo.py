@@ -1,0 +1,171 @@
+"""
+Episode 7, DPO: learning from pairs of stories, with no reward model and no sampling.
+
+Direct preference optimisation (Rafailov and others, 2023) trains on the pairs of
+preferences.py: for an instruction x, a chosen story c that used more of the words and a
+rejected story r that used fewer. The fine-tuned model, frozen, is the reference, and the
+loss for a pair is
+
+    -log sigmoid(BETA * ((log p(c|x) - log p_ref(c|x)) - (log p(r|x) - log p_ref(r|x))))
+
+where log p(c|x) sums the log-probabilities of the story's tokens, its end-of-text
+included. It makes the chosen story more likely than the reference made it, and the
+rejected one less likely, and BETA sets how far from the reference that may go. BETA times
+each bracket is the "implicit reward" of a story; their difference is the reward margin,
+and accuracy is the share of pairs with a positive margin.
+
+The model trains with dropout off, as a model equal to its reference must give the same
+log-probabilities (the loss is then log 2 for every pair), and in float32 by default: a
+story's log-probability sums about 200 tokens', and bfloat16's rounding of each would add
+up to noise as large as the differences DPO learns from. Adam, no weight decay, the
+schedule of train.py over --minutes. Every EVAL_EVERY steps, the share of the words it uses
+on the held-out instructions, and its story for DEMO. The final model: checkpoints/dpo/.
+
+Exported for PPO and GRPO: DEMO, the instruction that asks for rain, cake and jump, and
+words_rate(), a story for each held-out instruction and the share of the words they use.
+
+    python dpo.py --minutes 10
+"""
+import copy
+import json
+import textwrap
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.tensorboard import SummaryWriter
+
+from data import instruction, load_tokenizer
+from evaluate import heldout_stories, load_instructions, words_used
+from finetune import collate
+from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
+from preferences import load_pairs
+from sample import encode_prompt, write
+from train import budget_used, learning_rate, parse_training_args, training_parser
+
+BETA = 0.1  # how far from the reference the preferences may pull the model
+LR = 5e-5  # the peak learning rate
+MIN_LR = 5e-6
+WARMUP = 10  # steps
+BATCH = 16  # pairs per step
+CLIP = 1.0
+EVAL_EVERY = 25  # steps between measures on the held-out instructions
+SEED = 1337
+DEMO = instruction(["rain", "cake", "jump"])
+
+
+def words_rate(model, tokenizer, instructions, seed=0):
+    """A story for each held-out instruction; the share of the requested words they use."""
+    stories = heldout_stories(model, tokenizer, instructions, seed)
+    used = [words_used(tokenizer.decode(s), i["words"]) for s, i in zip(stories, instructions)]
+    return sum(used) / len(used)
+
+
+def story_logprobs(model, x, y):
+    """log p(story | instruction) for each row: the sum of the log-probabilities of the
+    targets, where targets of -1 (the prompt and the padding) count for nothing."""
+    logits, _ = model(x)
+    # gather needs a valid index everywhere: -1 becomes 0, and the mask then zeroes those.
+    logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (logprobs * (y >= 0)).sum(dim=1)
+
+
+def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=BETA):
+    """The loss for each pair, with the implicit rewards' margin."""
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    return -F.logsigmoid(margin), margin
+
+
+def pair_losses(policy, reference, x, y, device, precision):
+    """The DPO loss and margin of each pair of a batch (chosen rows first, then rejected)."""
+    # The reference's log-probabilities need no gradients; the policy's do.
+    with torch.no_grad(), autocast(device, precision):
+        ref_chosen, ref_rejected = story_logprobs(reference, x, y).chunk(2)
+    with autocast(device, precision):
+        chosen, rejected = story_logprobs(policy, x, y).chunk(2)
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected)
+
+
+def pair_batch(pairs, tokenizer, device):
+    """Chosen stories in the first half of the rows, rejected in the second, each after its prompt."""
+    examples = []
+    for side in ("chosen", "rejected"):
+        for pair in pairs:
+            prompt = encode_prompt(tokenizer, pair["instruction"])
+            examples.append((prompt + pair[f"{side}_tokens"], len(prompt)))
+    return collate(examples, tokenizer.eot, device)
+
+
+def main():
+    # float32 by default: log-probabilities summed over a story need it (see above).
+    args = parse_training_args(training_parser("Train the fine-tuned model with DPO on preference pairs.",
+                                               minutes=10, precision="fp32"))
+
+    device = pick_device(args.device)
+    precision = args.precision
+    settings = {**vars(args), "device": str(device), "precision": precision, "beta": BETA, "lr": LR,
+                "min_lr": MIN_LR, "warmup": WARMUP, "batch": BATCH, "seed": SEED}
+    print(json.dumps(settings))
+    torch.manual_seed(SEED)
+    tokenizer = load_tokenizer()
+    pairs, made_with = load_pairs()
+    instructions = load_instructions()
+    # The model to train and its frozen copy, the reference; dropout off in both.
+    policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer).eval()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=LR)
+    writer = SummaryWriter(RUNS / "dpo")
+    writer.add_text("settings", json.dumps({**settings, "pairs": len(pairs), "made_with": made_with}, indent=1), 0)
+    rng = np.random.default_rng(SEED)
+    step = 0
+
+    def evaluate():
+        share = words_rate(policy, tokenizer, instructions)
+        story = write(policy, tokenizer, DEMO, max_new_tokens=120)
+        writer.add_scalar("words/heldout", share, step)
+        writer.add_text("demo", DEMO + story, step)
+        writer.flush()
+        print(f"step {step}: the held-out stories use {share:.0%} of the words")
+        print(textwrap.indent(textwrap.fill(story, 100), "    "))
+
+    evaluate()
+    started, order, position = time.time(), rng.permutation(len(pairs)), 0
+    while True:
+        progress = budget_used(time.time() - started, args.minutes, step, args.steps)
+        if progress >= 1.0:
+            break
+        if position + BATCH > len(order):
+            order, position = rng.permutation(len(pairs)), 0
+        batch = [pairs[i] for i in order[position:position + BATCH]]
+        position += BATCH
+        x, y = pair_batch(batch, tokenizer, device)
+        losses, margins = pair_losses(policy, reference, x, y, device, precision)
+        loss = losses.mean()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, progress, LR, MIN_LR, WARMUP)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), CLIP)
+        optimizer.step()
+        step += 1
+
+        accuracy = (margins > 0).float().mean().item()
+        writer.add_scalar("dpo/loss", loss.item(), step)
+        writer.add_scalar("dpo/margin", margins.mean().item(), step)
+        writer.add_scalar("dpo/accuracy", accuracy, step)
+        print(f"step {step}: loss {loss.item():.3f}, margin {margins.mean().item():.3f}, "
+              f"accuracy {accuracy:.0%}, {(time.time() - started) / 60:.1f} min", flush=True)
+        if step % EVAL_EVERY == 0:
+            evaluate()
+    if step % EVAL_EVERY:
+        evaluate()
+    writer.close()
+    made_by = {"script": "dpo.py", "step": step, "settings": settings, "pairs": made_with}
+    save_checkpoint(CHECKPOINTS / "dpo", policy, tokenizer, made_by)
+    print(f"done: {step} steps, {(time.time() - started) / 60:.1f} minutes; "
+          f"the model is in {CHECKPOINTS / 'dpo'}/model.pt")
+
+
+if __name__ == "__main__":
+    main()

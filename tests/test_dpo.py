@@ -1,0 +1,69 @@
+import copy
+import math
+
+import pytest
+import torch
+
+import dpo
+import preferences
+from model import read_checkpoint
+
+
+def fake_pairs(tokenizer, count=6):
+    return [{"instruction": "Write a story that uses the words kite, river and brave.\n",
+             "chosen_tokens": tokenizer.encode(f"A brave kite {i} by the river.") + [tokenizer.eot],
+             "rejected_tokens": tokenizer.encode(f"Once there was a cat number {i}. It slept all day long.")}
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dpo_loss_of_a_model_equal_to_its_reference_is_log_2(workspace_tokenizer, workspace_model, precision):
+    reference = copy.deepcopy(workspace_model).requires_grad_(False)
+    x, y = dpo.pair_batch(fake_pairs(workspace_tokenizer), workspace_tokenizer, "cpu")
+    losses, margins = dpo.pair_losses(workspace_model, reference, x, y, torch.device("cpu"), precision)
+    assert torch.allclose(losses, torch.full_like(losses, math.log(2)))
+    assert torch.all(margins == 0)
+
+
+def test_story_logprobs_sum_the_story_tokens_only(workspace_tokenizer, workspace_model):
+    pair = fake_pairs(workspace_tokenizer, 1)
+    x, y = dpo.pair_batch(pair, workspace_tokenizer, "cpu")
+    with torch.no_grad():
+        logits, _ = workspace_model(x)
+        got = dpo.story_logprobs(workspace_model, x, y)
+    prompt_length = len(workspace_tokenizer.encode(pair[0]["instruction"])) + 1
+    story = pair[0]["chosen_tokens"]
+    by_hand = sum(torch.log_softmax(logits[0, prompt_length - 1 + i], -1)[t].item() for i, t in enumerate(story))
+    assert got[0].item() == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_dpo_gradient_makes_the_chosen_story_likelier(workspace_tokenizer, workspace_model):
+    x, y = dpo.pair_batch(fake_pairs(workspace_tokenizer), workspace_tokenizer, "cpu")
+    with torch.no_grad():
+        ref_chosen, ref_rejected = dpo.story_logprobs(workspace_model, x, y).chunk(2)
+    optimizer = torch.optim.SGD(workspace_model.parameters(), lr=0.05)
+    chosen, rejected = dpo.story_logprobs(workspace_model, x, y).chunk(2)
+    loss, _ = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected)
+    loss.mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        new_chosen, new_rejected = dpo.story_logprobs(workspace_model, x, y).chunk(2)
+    assert torch.all(new_chosen > ref_chosen)
+    assert torch.all(new_chosen - new_rejected > ref_chosen - ref_rejected)
+
+
+def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys):
+    run_main(preferences, "--instructions", "16", "--stories", "3")
+    run_main(dpo, "--steps", "2", "--precision", "fp32")
+    made_by = read_checkpoint(workspace / "checkpoints" / "dpo")["made_by"]
+    assert made_by["script"] == "dpo.py" and made_by["step"] == 2
+    out = capsys.readouterr().out
+    assert "step 0: the held-out stories use" in out and "step 2: loss" in out
+
+
+def test_words_rate_is_the_share_over_the_heldout_set(workspace, workspace_tokenizer, workspace_model, monkeypatch):
+    from evaluate import load_instructions
+    instructions = load_instructions(workspace / "heldout.json")
+    first_word = [workspace_tokenizer.encode(i["words"][0]) for i in instructions]
+    monkeypatch.setattr(dpo, "heldout_stories", lambda *args: first_word)
+    assert dpo.words_rate(workspace_model, workspace_tokenizer, instructions) == pytest.approx(1 / 3)
