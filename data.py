@@ -307,6 +307,20 @@ def write_instructions(out, askable):
     return count
 
 
+def read_instructions(path=DATA / "instructions.jsonl"):
+    """The training instructions, each a dict with words, instruction and story."""
+    if not Path(path).exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    with open(path, encoding="utf-8") as file:
+        try:
+            instructions = [json.loads(line) for line in file]
+        except ValueError as error:
+            raise SystemExit(f"{path} is damaged ({error}); make it again with python data.py")
+    if not instructions:
+        raise SystemExit(f"{path} holds no instructions; prepare the data again with python data.py")
+    return instructions
+
+
 def draw_heldout(valid_path, askable):
     """The held-out instructions: valid stories in an order set by the seed alone (a hash of
     seed and story), the first HELD_OUT that have three askable words."""

@@ -42,14 +42,13 @@ from finetune import collate
 from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
 from preferences import load_pairs
 from sample import encode_prompt, write
-from train import budget_used, learning_rate, parse_training_args, training_parser
+from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model
 LR = 5e-5  # the peak learning rate
 MIN_LR = 5e-6
 WARMUP = 10  # steps
 BATCH = 16  # pairs per step
-CLIP = 1.0
 EVAL_EVERY = 25  # steps between measures on the held-out instructions
 SEED = 1337
 DEMO = instruction(["rain", "cake", "jump"])
@@ -129,27 +128,25 @@ def main():
         print(f"step {step}: the held-out stories use {share:.0%} of the words")
         print(textwrap.indent(textwrap.fill(story, 100), "    "))
 
-    evaluate()
+    evaluate()  # step 0: the fine-tuned model's figures, to compare against
     started, order, position = time.time(), rng.permutation(len(pairs)), 0
     while True:
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
+        # A batch of pairs, in a new order on each pass over them.
         if position + BATCH > len(order):
             order, position = rng.permutation(len(pairs)), 0
         batch = [pairs[i] for i in order[position:position + BATCH]]
         position += BATCH
+        # Each pair's loss against the frozen reference, and the update that lowers their mean.
         x, y = pair_batch(batch, tokenizer, device)
         losses, margins = pair_losses(policy, reference, x, y, device, precision)
         loss = losses.mean()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, progress, LR, MIN_LR, WARMUP)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), CLIP)
-        optimizer.step()
+        optimizer_step(policy, optimizer, loss, learning_rate(step, progress, LR, MIN_LR, WARMUP))
         step += 1
 
+        # Accuracy: the share of this batch's pairs whose chosen story now gains more than the rejected.
         accuracy = (margins > 0).float().mean().item()
         writer.add_scalar("dpo/loss", loss.item(), step)
         writer.add_scalar("dpo/margin", margins.mean().item(), step)
@@ -158,7 +155,7 @@ def main():
               f"accuracy {accuracy:.0%}, {(time.time() - started) / 60:.1f} min", flush=True)
         if step % EVAL_EVERY == 0:
             evaluate()
-    if step % EVAL_EVERY:
+    if step % EVAL_EVERY:  # the final model is measured too
         evaluate()
     writer.close()
     made_by = {"script": "dpo.py", "step": step, "settings": settings, "pairs": made_with}

@@ -88,7 +88,7 @@ def measure(model, tokenizer, instructions, valid_tokens, device):
 def model_name(path):
     """A model is named after its folder. A checkpoint saved along the way keeps its own
     name; a final model in a folder whose name starts with kl- is named after the folder
-    above it, a dash, and the folder: ppo/kl-0.05 is ppo-kl-0.05."""
+    above it, a dash, and the folder."""
     path = Path(path)
     if path.suffix == ".pt" and path.name != "model.pt":
         return path.stem

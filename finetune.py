@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, instruction, load_tokenizer
+from data import DATA, instruction, load_tokenizer, read_instructions
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
@@ -44,15 +44,11 @@ EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each ev
 
 def load_examples(tokenizer, path=DATA / "instructions.jsonl"):
     """Each instruction as (tokens, prompt length): the prompt, the story, end-of-text."""
-    if not path.exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
     examples = []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            example = json.loads(line)
-            prompt = encode_prompt(tokenizer, example["instruction"])
-            tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
-            examples.append((tokens[:MAX_LENGTH], len(prompt)))
+    for example in read_instructions(path):
+        prompt = encode_prompt(tokenizer, example["instruction"])
+        tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
+        examples.append((tokens[:MAX_LENGTH], len(prompt)))
     return examples
 
 
@@ -137,6 +133,7 @@ def main():
             position = 0
         x, y = collate(train_examples[position:position + BATCH], pad, device)
         position += BATCH
+        # The loss on the stories' tokens only, and the update it asks for.
         lr = learning_rate(step, progress, LR, MIN_LR, WARMUP)
         loss = train_step(model, optimizer, x, y, device, precision, lr)
         step += 1

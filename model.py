@@ -195,13 +195,21 @@ class GPT(nn.Module):
         return torch.cat([prompts, torch.stack(written, dim=1)], dim=1)
 
 
-def next_token(logits, temperature, top_k, generator):
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+def sampling_logits(logits, temperature, top_k):
+    """The logits a token is drawn from: divided by the temperature, and all but the k
+    likeliest tokens ruled out when top_k is given."""
     logits = logits.float() / temperature
     if top_k:
-        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[..., [-1]]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    return logits
+
+
+def next_token(logits, temperature, top_k, generator):
+    """One token for each row of logits: the likeliest at temperature 0, else a draw."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = sampling_logits(logits, temperature, top_k)
     # Inverse-CDF sampling: draw a uniform number and take the token where it falls in the
     # running sum of the probabilities. It samples from the same distribution as
     # torch.multinomial, several times faster on a CPU (which spends its time drawing noise

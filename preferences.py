@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from data import DATA, atomic, load_tokenizer
+from data import DATA, atomic, load_tokenizer, read_instructions
 from evaluate import words_used
 from model import CHECKPOINTS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, encode_prompt, write_stories
@@ -32,14 +32,10 @@ PAIRS = DATA / "preferences.json"
 
 def load_asks(tokenizer, path=DATA / "instructions.jsonl"):
     """{length in tokens: [(prompt tokens, words), ...]} for the training instructions."""
-    if not path.exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
     asks = {}
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            example = json.loads(line)
-            tokens = encode_prompt(tokenizer, example["instruction"])
-            asks.setdefault(len(tokens), []).append((tokens, example["words"]))
+    for example in read_instructions(path):
+        tokens = encode_prompt(tokenizer, example["instruction"])
+        asks.setdefault(len(tokens), []).append((tokens, example["words"]))
     return asks
 
 
@@ -102,8 +98,7 @@ def main():
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, device, tokenizer).eval()
     # A fixed sample of the training instructions, the same for a seed.
-    with open(DATA / "instructions.jsonl", encoding="utf-8") as file:
-        examples = [json.loads(line) for line in file]
+    examples = read_instructions()
     chosen = np.random.default_rng(SEED).permutation(len(examples))[:args.instructions]
     examples = [examples[i] for i in sorted(chosen)]
 

@@ -115,16 +115,21 @@ def make_optimizer(model, lr=LR):
     return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
 
 
-def train_step(model, optimizer, x, y, device, precision, lr):
-    """One step: the loss of predicting every target, its gradients, clipped, and the update."""
+def optimizer_step(model, optimizer, loss, lr):
+    """The gradients of loss, their norm clipped at CLIP, and one update at learning rate lr."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with autocast(device, precision):
-        _, loss = model(x, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     optimizer.step()
+
+
+def train_step(model, optimizer, x, y, device, precision, lr):
+    """One step: the loss of predicting every target, and the update it asks for."""
+    with autocast(device, precision):
+        _, loss = model(x, y)
+    optimizer_step(model, optimizer, loss, lr)
     return loss.item()
 
 

@@ -8,7 +8,6 @@ first with its own instruction a much higher log-probability than without.
     python bench/instruction_probe.py checkpoints/finetune
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import DATA, load_tokenizer  # noqa: E402
+from data import load_tokenizer, read_instructions  # noqa: E402
 from finetune import HELD_BACK, SEED  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 from sample import encode_prompt  # noqa: E402
@@ -44,8 +43,7 @@ def main():
     args = parser.parse_args()
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, "cpu", tokenizer).eval()
-    with open(DATA / "instructions.jsonl", encoding="utf-8") as file:
-        examples = [json.loads(line) for line in file]
+    examples = read_instructions()
     # The examples finetune.py held back, in its order.
     order = np.random.default_rng(SEED).permutation(len(examples))
     held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]

@@ -21,18 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import load_tokenizer  # noqa: E402
 from dpo import DEMO  # noqa: E402
-from model import load_checkpoint  # noqa: E402
+from model import load_checkpoint, sampling_logits  # noqa: E402
 from sample import MAX_NEW_TOKENS, encode_prompt, write_stories  # noqa: E402
 
 TAIL = 1e-4  # a token the model gives less than this is in its tail
-
-
-def sampling_probabilities(logits, top_k):
-    """The distribution write_stories() draws from at temperature 1, with top-k if given."""
-    if top_k:
-        kth_best = torch.topk(logits, top_k).values[..., [-1]]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    return F.softmax(logits, dim=-1)
 
 
 def main():
@@ -58,7 +50,8 @@ def main():
             chosen = model_probabilities.gather(-1, targets[:, None])[:, 0]
             # What sampling should put in the tail: the sampler's mass on the model's tail tokens.
             tail = model_probabilities < TAIL
-            expected += (sampling_probabilities(logits, args.top_k) * tail).sum().item()
+            sampler = F.softmax(sampling_logits(logits, 1.0, args.top_k), dim=-1)
+            expected += (sampler * tail).sum().item()
             written += len(story)
             in_tail += int((chosen < TAIL).sum())
             examples += [(tokenizer.decode(story[max(0, i - 3):i]), tokenizer.decode(story[i:i + 1]))

@@ -117,6 +117,21 @@ def test_instructions_ask_for_whole_lowercase_words_never_names(prepared):
         assert set(example["words"]) <= whole_words(example["story"])
 
 
+def test_instructions_read_back_as_written_and_bad_files_are_refused(prepared, tmp_path):
+    lines = (prepared / "instructions.jsonl").read_text().splitlines()
+    assert data.read_instructions(prepared / "instructions.jsonl") == [json.loads(line) for line in lines]
+    with pytest.raises(SystemExit, match="make it with python data.py"):
+        data.read_instructions(tmp_path / "missing.jsonl")
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text(lines[0] + "\n" + lines[1][:20] + "\n")  # cut off mid-line
+    with pytest.raises(SystemExit, match="damaged"):
+        data.read_instructions(damaged)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no instructions"):
+        data.read_instructions(empty)
+
+
 def test_token_files_hold_every_story_after_an_end_of_text(prepared):
     tokenizer = data.load_tokenizer(prepared)
     tokens = np.memmap(prepared / "valid.bin", dtype=np.uint16, mode="r")
