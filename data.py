@@ -196,7 +196,7 @@ def read_stories(path):
     opener = gzip.open if path.name.endswith(".gz") else open
     lines, bad, offset, first_bad = [], 0, 0, None
     with opener(path, "rb") as file:
-        for line in file:
+        for line in read_lines(file, path):
             offset += len(line)
             if SEPARATOR.encode() not in line:
                 lines.append(line)
@@ -218,6 +218,14 @@ def read_stories(path):
         first_bad = first_bad or offset
     if bad:
         print(f"  {path.name}: dropped {bad} stories that are not valid UTF-8 (the first near byte {first_bad:,})")
+
+
+def read_lines(file, path):
+    """The lines of a file; a damaged or cut-off .gz stops with one line."""
+    try:
+        yield from file
+    except (OSError, EOFError) as error:
+        raise SystemExit(f"{path} is damaged ({error}); download or copy it again")
 
 
 def fingerprint(text):
@@ -249,6 +257,10 @@ def write_stories(files, out, heldout=HELDOUT):
                     goes_to = "valid" if split == "valid" or (not has_valid and key[0] % VALID_SHARE == 0) else "train"
                     (train if goes_to == "train" else valid).write(f"{story}\n{SEPARATOR}\n")
                     counts[goes_to] += 1
+            # Refused before the files are renamed, so the stories of an earlier run stay as they were.
+            for split in ("train", "valid"):
+                if counts[split] == 0:
+                    raise SystemExit(f"no {split} stories in the source; the stories prepared before are kept")
     return counts
 
 
@@ -318,6 +330,8 @@ def read_instructions(path=DATA / "instructions.jsonl"):
             raise SystemExit(f"{path} is damaged ({error}); make it again with python data.py")
     if not instructions:
         raise SystemExit(f"{path} holds no instructions; prepare the data again with python data.py")
+    if not all(isinstance(i, dict) and {"words", "instruction", "story"} <= i.keys() for i in instructions):
+        raise SystemExit(f"{path} has a line without its words, instruction and story; make it again with python data.py")
     return instructions
 
 
@@ -348,8 +362,12 @@ def read_heldout(path=HELDOUT):
     path = Path(path)
     if not path.exists():
         raise SystemExit(f"no {path}: it comes with the repository (or python data.py draws one)")
-    heldout = json.loads(path.read_text(encoding="utf-8"))
-    if heldout.get("version") != HELD_OUT_VERSION or len(heldout.get("instructions", [])) != HELD_OUT:
+    try:
+        heldout = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        heldout = None
+    if not isinstance(heldout, dict) or heldout.get("version") != HELD_OUT_VERSION \
+            or len(heldout.get("instructions", [])) != HELD_OUT:
         raise SystemExit(f"{path} is not version {HELD_OUT_VERSION} of the {HELD_OUT} held-out instructions")
     return heldout["instructions"]
 
@@ -425,8 +443,6 @@ def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
 
 def make_stories(files, out, heldout):
     counts = write_stories(files, out, heldout)
-    if counts["train"] == 0 or counts["valid"] == 0:
-        raise SystemExit(f"no {'train' if counts['train'] == 0 else 'valid'} stories in the source")
     # Without a held-out set (a fresh folder), draw one from these valid stories, once.
     if not Path(heldout).exists():
         write_heldout(heldout, draw_heldout(out / "valid.txt", askable_words(out / "train.txt")))

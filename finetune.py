@@ -96,6 +96,10 @@ def main():
     # Shuffle once with the seed; the last HELD_BACK examples measure the instruction loss.
     rng = np.random.default_rng(SEED)
     examples = load_examples(tokenizer)
+    cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in examples)
+    print(f"{len(examples):,} instructions; {cut:,} are longer than {MAX_LENGTH} tokens and cut there")
+    if len(examples) < HELD_BACK + BATCH:
+        raise SystemExit(f"{len(examples)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
     order = rng.permutation(len(examples))
     train_examples = [examples[i] for i in order[:-HELD_BACK]]
     held_back = [examples[i] for i in order[-HELD_BACK:]]

@@ -212,8 +212,8 @@ def next_token(logits, temperature, top_k, generator):
     logits = sampling_logits(logits, temperature, top_k)
     # Inverse-CDF sampling: draw a uniform number and take the token where it falls in the
     # running sum of the probabilities. It samples from the same distribution as
-    # torch.multinomial, several times faster on a CPU (which spends its time drawing noise
-    # for every one of the 5,376 tokens). The draw is scaled by the last sum, which rounding
+    # torch.multinomial with one random number per row, where multinomial draws noise for
+    # every one of the 5,376 tokens. The draw is scaled by the last sum, which rounding
     # leaves a hair off 1, so it can never land past the last token.
     running_sum = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(dim=-1)
     uniform = torch.rand(logits.size(0), 1, generator=generator, device=logits.device, dtype=torch.float64)
@@ -225,12 +225,24 @@ def next_token(logits, temperature, top_k, generator):
 def pick_device(name=None):
     """The GPU when there is one (CUDA, then Apple's MPS), else the CPU; --device overrides."""
     if name:
-        return torch.device(name)
+        return chosen_device(name)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def chosen_device(name):
+    """The device named by --device, refused in one line when this machine has no such device."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: not a device; use cpu, cuda or mps")
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
+    if device.type in available and not available[device.type]():
+        raise SystemExit(f"--device {name}: this machine (or its build of torch) has no {device.type}")
+    return device
 
 
 def autocast(device, precision):
@@ -315,7 +327,8 @@ def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
         model = GPT(Config(**checkpoint["config"]))
         model.load_state_dict(checkpoint["model"])
     except (TypeError, RuntimeError) as error:
-        reason = str(error).strip().splitlines()[0]
+        lines = str(error).strip().splitlines()
+        reason = lines[1].strip() if len(lines) > 1 else lines[0]  # the first line only names the class
         raise SystemExit(f"{file} does not match the model it describes ({reason})")
     if not quiet:
         made_by = checkpoint["made_by"]

@@ -73,13 +73,14 @@ def load_pairs(path=PAIRS):
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
         pairs, settings = saved["pairs"], saved["settings"]
+        better = [p["chosen_reward"] > p["rejected_reward"] for p in pairs]
     except (ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"{path} is not a file of preference pairs ({error}); "
+        raise SystemExit(f"{path} is not a file of preference pairs ({type(error).__name__}: {error}); "
                          "make it again with python preferences.py")
     if not pairs:
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
-    if any(p["chosen_reward"] <= p["rejected_reward"] for p in pairs):
+    if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
     return pairs, settings
 
@@ -109,6 +110,9 @@ def main():
         print(f"\r  {len(pairs)} pairs from {done} of {len(examples)} instructions "
               f"({done - len(pairs)} tied), {(time.time() - started) / 60:.1f} min", end="", flush=True)
     print()
+    if not pairs:
+        raise SystemExit(f"every instruction's stories tied, so there are no pairs; {PAIRS} is left as it was. "
+                         "Try more --instructions or --stories")
     settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}
     with atomic(PAIRS) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -19,6 +19,8 @@ matrix products faster but attention over the cache slower, for no gain overall.
     python sample.py --model checkpoints/pretrain --prompt "Once upon a time"
 """
 import argparse
+import math
+import re
 
 import torch
 
@@ -82,8 +84,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
     args = parser.parse_args()
-    if args.temperature < 0 or (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
-        parser.error("--temperature must be at least 0, --top-k and --tokens at least 1")
+    if not 0 <= args.temperature < math.inf or (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
+        parser.error("--temperature must be a number, at least 0, and --top-k and --tokens at least 1")
+    if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
+        parser.error("--words: three lowercase words, letters only (as the reward reads them)")
 
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, pick_device(args.device), tokenizer)

@@ -56,8 +56,8 @@ def training_parser(description, minutes, precision=None):
 
 def parse_training_args(parser):
     args = parser.parse_args()
-    if args.minutes <= 0 or (args.steps is not None and args.steps <= 0):
-        parser.error("--minutes and --steps must be positive")
+    if not 0 < args.minutes < math.inf or (args.steps is not None and args.steps <= 0):
+        parser.error("--minutes and --steps must be positive (and --minutes a number)")
     return args
 
 
@@ -71,6 +71,9 @@ def load_tokens(split, folder=DATA):
     path = folder / f"{split}.bin"
     if not path.exists():
         raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    size = path.stat().st_size
+    if size % 2 or size // 2 <= CONTEXT + 1:  # uint16 tokens, at least one window of them
+        raise SystemExit(f"{path} is damaged or too short ({size:,} bytes); make it again with python data.py")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 

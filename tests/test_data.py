@@ -117,6 +117,22 @@ def test_instructions_ask_for_whole_lowercase_words_never_names(prepared):
         assert set(example["words"]) <= whole_words(example["story"])
 
 
+def test_a_source_without_stories_leaves_what_was_prepared(prepared, tmp_path):
+    before = {name: (prepared / name).read_bytes() for name in ("train.txt", "valid.txt", "manifest.json")}
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no train stories"):
+        prepare(empty, prepared)
+    assert {name: (prepared / name).read_bytes() for name in before} == before
+
+
+def test_a_damaged_heldout_file_is_refused(tmp_path):
+    for text in ("", '{"version": 1, "instr', "[]"):
+        (tmp_path / "heldout.json").write_text(text)
+        with pytest.raises(SystemExit, match="is not version 1"):
+            data.read_heldout(tmp_path / "heldout.json")
+
+
 def test_instructions_read_back_as_written_and_bad_files_are_refused(prepared, tmp_path):
     lines = (prepared / "instructions.jsonl").read_text().splitlines()
     assert data.read_instructions(prepared / "instructions.jsonl") == [json.loads(line) for line in lines]

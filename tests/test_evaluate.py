@@ -94,5 +94,6 @@ def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, ca
     out = capsys.readouterr().out
     assert "| finetune |" in out
     saved = json.loads((workspace / "runs" / "evaluate" / "finetune.json").read_text())
-    assert len(saved["stories"]) == 50 and 0 <= saved["words_used"] <= 1
+    assert [s["words"] for s in saved["stories"]] == [i["words"] for i in load_instructions()]  # the committed set
+    assert all(s["words_used"] == words_used(s["story"], s["words"]) for s in saved["stories"])
     assert f"| finetune | {saved['words_used']:.0%} | {saved['valid_loss']:.2f} | {saved['ended']:.0%} |" in out

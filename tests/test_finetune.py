@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import torch
 
@@ -5,6 +7,7 @@ import finetune
 import train
 from data import load_tokenizer
 from model import GPT, TINY, Config
+from sample import encode_prompt
 
 
 def test_only_the_story_and_its_end_are_targets():
@@ -14,13 +17,17 @@ def test_only_the_story_and_its_end_are_targets():
     assert y.tolist() == [[-1, -1, 3, 4, 5, 9], [-1, -1, 6, 9, -1, -1]]
 
 
-def test_examples_are_prompt_story_and_end(workspace):
+def test_examples_are_prompt_story_and_end_cut_at_the_context(workspace, tmp_path):
     tokenizer = load_tokenizer(workspace / "data")
-    examples = finetune.load_examples(tokenizer, workspace / "data" / "instructions.jsonl")
-    tokens, prompt_length = examples[0]
-    assert tokens[0] == tokenizer.eot and tokens[-1] == tokenizer.eot
-    assert tokenizer.decode(tokens[1:prompt_length]).startswith("Write a story that uses the words ")
-    assert all(len(t) <= finetune.MAX_LENGTH for t, _ in examples)
+    ordinary = json.loads((workspace / "data" / "instructions.jsonl").read_text().splitlines()[0])
+    long = {**ordinary, "story": " ".join(["The kite flew over the river."] * 100)}
+    path = tmp_path / "instructions.jsonl"
+    path.write_text(json.dumps(ordinary) + "\n" + json.dumps(long) + "\n")
+    (tokens, prompt_length), (cut, _) = finetune.load_examples(tokenizer, path)
+    prompt = encode_prompt(tokenizer, ordinary["instruction"])
+    assert tokens == prompt + tokenizer.encode(ordinary["story"]) + [tokenizer.eot]
+    assert prompt_length == len(prompt)
+    assert len(cut) == finetune.MAX_LENGTH and cut[-1] != tokenizer.eot  # cut, so it lost its end
 
 
 def test_fine_tuning_makes_the_instruction_loss_fall(workspace):

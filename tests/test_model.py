@@ -71,6 +71,9 @@ def test_sampling_follows_the_model_distribution():
     assert torch.allclose(shares, torch.softmax(logits[0], -1), atol=0.015)
     top2 = gpt.next_token(logits, 1.0, 2, torch.Generator().manual_seed(0))
     assert set(top2.tolist()) == {1, 2}
+    cooler = gpt.next_token(logits, 0.5, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(cooler, minlength=4).float() / len(cooler)
+    assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
 
 
 def test_generation_stops_at_the_stop_token_and_pads_with_it():
@@ -106,6 +109,10 @@ def test_cache_refuses_several_tokens_after_the_prompt():
         model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
 
 
-def test_pick_device_honours_an_override():
-    assert gpt.pick_device("cpu") == torch.device("cpu")
-    assert gpt.pick_device().type in {"cpu", "cuda", "mps"}
+def test_pick_device_honours_an_override_and_refuses_what_is_not_there():
+    assert gpt.pick_device("meta") == torch.device("meta")  # never the default, so only the override gives it
+    with pytest.raises(SystemExit, match="not a device"):
+        gpt.pick_device("nonsense")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="has no cuda"):
+            gpt.pick_device("cuda")

@@ -21,22 +21,42 @@ def test_a_pair_needs_a_better_and_a_worse_story():
     assert preferences.pick_pair([0.0, 2 / 3, 1 / 3, 2 / 3]) == (1, 0)
 
 
-def test_pairs_never_tie_and_keep_the_tokens_the_model_wrote(workspace, workspace_tokenizer, workspace_model):
+def test_pairs_never_tie(workspace, workspace_tokenizer, workspace_model):
     examples = [json.loads(line) for line in (workspace / "data" / "instructions.jsonl").read_text().splitlines()]
     # Stories of a random tiny workspace_model rarely use a word; give them one to find in every example.
     examples = [{**e, "words": [e["words"][0], "a", "the"]} for e in examples[:24]]
     pairs = preferences.make_pairs(workspace_model, workspace_tokenizer, examples, stories_per=4, seed=0)
     assert pairs
-    for pair in pairs:
-        assert pair["chosen_reward"] > pair["rejected_reward"]
-        assert workspace_tokenizer.decode(pair["chosen_tokens"]) == pair["chosen"]
+    assert all(pair["chosen_reward"] > pair["rejected_reward"] for pair in pairs)
 
 
-def test_pairs_are_saved_with_their_settings_and_read_back(workspace, run_main):
+def test_a_pair_keeps_the_tokens_as_written_not_encoded_again(workspace_tokenizer, monkeypatch):
+    eot = workspace_tokenizer.eot
+    # Single bytes, as a model may write them: encoding their text again would merge them.
+    written = [list(b" x") + [eot], list(b" a the") + [eot]]
+    assert workspace_tokenizer.encode(" a the") != list(b" a the")
+    monkeypatch.setattr(preferences, "write_stories", lambda *args, **kwargs: written)
+    example = {"instruction": "Write a story that uses the words kite, a and the.\n", "words": ["kite", "a", "the"]}
+    (pair,) = preferences.make_pairs(None, workspace_tokenizer, [example], stories_per=2)
+    assert pair["chosen_tokens"] == written[1] and pair["rejected_tokens"] == written[0]
+    assert pair["chosen"] == " a the<|endoftext|>"
+
+
+def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_tokenizer, run_main):
     run_main(preferences, "--instructions", "16", "--stories", "3")
     pairs, settings = preferences.load_pairs(workspace / "data" / "preferences.json")
     assert settings["instructions"] == 16 and settings["stories"] == 3
-    assert all(p["chosen_reward"] > p["rejected_reward"] for p in pairs)
+    assert 0 < len(pairs) <= 16
+    assert all(workspace_tokenizer.decode(p[f"{side}_tokens"]) == p[side] for p in pairs for side in ("chosen", "rejected"))
+
+
+def test_no_pairs_leave_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
+    run_main(preferences, "--instructions", "16", "--stories", "3")
+    saved = (workspace / "data" / "preferences.json").read_bytes()
+    monkeypatch.setattr(preferences, "make_pairs", lambda *args: [])  # every group tied
+    with pytest.raises(SystemExit, match="no pairs"):
+        run_main(preferences, "--instructions", "16", "--stories", "3")
+    assert (workspace / "data" / "preferences.json").read_bytes() == saved
 
 
 def test_damaged_pairs_file_is_refused(tmp_path):

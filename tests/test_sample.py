@@ -26,13 +26,15 @@ def test_write_gives_at_most_the_tokens_asked_for_and_a_seed_repeats_it(small_mo
 
 
 def test_stories_of_prompts_of_several_lengths_come_back_in_order(small_model, small_tokenizer):
-    prompts = ["Once upon a time", "A kite", "The river was", "A kite flew"]
+    prompts = ["Once upon a time", "A kite", "The river was", "A river", "A kite flew", "A river flew"]
     together = write_stories(small_model, small_tokenizer, prompts, max_new_tokens=15, temperature=0)
     alone = [write_stories(small_model, small_tokenizer, [p], max_new_tokens=15, temperature=0)[0] for p in prompts]
     assert together == alone
 
 
-def test_writing_leaves_a_training_model_in_training(small_model, small_tokenizer):
-    small_model.train()
-    write(small_model, small_tokenizer, "A kite", max_new_tokens=3)
+def test_writing_turns_dropout_off_and_leaves_a_training_model_in_training(small_model, small_tokenizer):
+    small_model.eval()
+    in_eval = write(small_model, small_tokenizer, "A kite", max_new_tokens=20, seed=3)
+    small_model.train()  # dropout would change the story, if writing left it on
+    assert write(small_model, small_tokenizer, "A kite", max_new_tokens=20, seed=3) == in_eval
     assert small_model.training

@@ -48,6 +48,7 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
 
     run(finetune, monkeypatch, "--steps", "2")
+    assert "(train.py, step 4)" in capsys.readouterr().out  # it loaded the pretrained model
     made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
     assert set(made_by["losses"]) == {"instructions", "plain"}

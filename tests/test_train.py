@@ -18,6 +18,19 @@ def test_learning_rate_warms_up_then_decays_to_the_minimum():
     assert rates == sorted(rates, reverse=True)
 
 
+def test_a_window_s_targets_are_its_next_tokens():
+    tokens = np.arange(100, dtype=np.uint16)
+    x, y = train.random_batch(tokens, np.random.default_rng(0), "cpu", batch=4, context=8)
+    assert x.shape == y.shape == (4, 8)
+    assert torch.equal(y, x + 1)  # in 0, 1, 2, ... each token's next is itself plus one
+
+
+def test_the_budget_is_time_or_steps_whichever_runs_out_first():
+    assert train.budget_used(30, 1, 0, None) == 0.5  # half a minute of one
+    assert train.budget_used(30, 1, 8, 10) == 0.8  # 8 of 10 steps, further along than the time
+    assert train.budget_used(90, 1, 8, 10) == 1.5  # time is up
+
+
 def test_training_makes_the_loss_fall():
     torch.manual_seed(0)
     model = GPT(Config(vocab_size=50, **TINY))
