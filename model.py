@@ -254,7 +254,7 @@ def autocast(device, precision):
 
 def default_precision(device):
     """bf16 on CUDA GPUs that have it and on CPUs that multiply bf16 matrices clearly faster
-    than fp32 (this one: about 2.7 times; many laptops' CPUs: slower); fp32 elsewhere, Apple's
+    than fp32 (this one: 2.1 to 2.5 times; many laptops' CPUs: slower); fp32 elsewhere, Apple's
     MPS included. --precision overrides it."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
