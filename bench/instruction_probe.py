@@ -41,6 +41,8 @@ def main():
     parser.add_argument("model", help="a checkpoint folder or file")
     parser.add_argument("--examples", type=int, default=100)
     args = parser.parse_args()
+    if args.examples < 1:
+        parser.error("--examples must be at least 1")
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, "cpu", tokenizer).eval()
     examples = read_instructions()

@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--stories", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=None)
     args = parser.parse_args()
+    if args.stories < 1 or (args.top_k is not None and args.top_k < 1):
+        parser.error("--stories and --top-k must be at least 1")
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, "cpu", tokenizer).eval()
     prompt = encode_prompt(tokenizer, DEMO)
