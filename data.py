@@ -4,7 +4,8 @@ Episode 1, data: real TinyStories in; clean stories, instructions and token file
 By default it downloads TinyStoriesV2-GPT4 (train and valid) from the dataset's home on
 Hugging Face, with a progress line, resuming a partial download. With --source it reads a
 local copy instead: a .txt or .txt.gz file, or a folder of them, with stories separated by
-<|endoftext|> lines. Then, in order, each step skipped when its inputs haven't changed:
+<|endoftext|> lines. Then, in order, each step skipped when its inputs haven't changed and
+its outputs are still the files it made (the same size and hash):
 
 1. stories: stripped; empty and repeated stories dropped; a valid story that is also in
    train is dropped from valid, and a held-out story from train, so evaluation never
@@ -29,11 +30,15 @@ dropped, and the count is printed. The tokenizer learns from the first
 TOKENIZER_MEGABYTES of train stories: plenty for 5,376 tokens, and minutes instead of an
 hour on the full 2.2 GB.
 
+Every file is written under a temporary name and renamed once whole (atomic(), which every
+script saves with), and one data.py at a time prepares a folder: a second stops with one line.
+
 Run:
     python data.py --source ../shared/data/tinystories     (a local copy; how CI runs)
     python data.py --megabytes 100                         (download the first 100 MB of train)
 """
 import argparse
+import errno
 import gzip
 import hashlib
 import json
@@ -84,20 +89,69 @@ LOWERCASE_WORD = re.compile(r"(?<![\w'-])[a-z]+(?![\w'-])")
 # Everything that decides which words are asked for: a change to any of it rebuilds the instructions.
 ASKING = {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
           "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16]}
+# Why a write fails in one line, not a traceback: the disk is full, read-only, or not ours to write.
+UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM}
+STARTED = time.time()  # a temporary file last written before this is no save of this run's
 
 
 @contextmanager
 def atomic(path):
     """Yields a temporary path beside `path`; it becomes `path` only if the block finishes,
-    so an interrupted run never leaves half a file under the real name."""
+    so an interrupted run never leaves half a file under the real name. A full disk or a
+    folder it may not write in stops the run with one line, the file there before intact."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path)
         yield temporary
+        # On disk before the rename: after a power cut, the old file or the new, never an empty one.
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
         os.replace(temporary, path)
+    except OSError as error:
+        if not refused(error, temporary):
+            raise
+        raise SystemExit(unwritable(path.parent, error)) from None
     finally:
-        temporary.unlink(missing_ok=True)
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:  # a read-only disk: its error here would hide the one above
+            pass
+
+
+def refused(error, temporary):
+    """Whether the disk or the folder refused this write (a file the block reads keeps its own error)."""
+    named = error.filename is None or Path(error.filename) in (temporary, *temporary.parents)
+    return error.errno in UNWRITABLE and named
+
+
+def unwritable(folder, error):
+    if error.errno == errno.ENOSPC:
+        return f"no space left on the disk for {folder}; free some space, then run the command again"
+    return f"cannot write in {folder} ({error.strerror}); make it writable, then run the command again"
+
+
+def remove_stale(path):
+    """Removes the temporary files of `path` that saves killed before their rename left
+    behind (a checkpoint's: 175 MB each): those last written before this process started,
+    as a save still running keeps writing to its own."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            if stale.stat().st_mtime < STARTED:
+                stale.unlink()
+        except OSError:  # removed by another run meanwhile, or still open (Windows)
+            pass
+
+
+def check_writable(*folders):
+    """Stops with one line, before any training, when a folder cannot be saved into, rather
+    than when the first checkpoint is saved, after the training time is spent."""
+    for folder in folders:
+        probe = Path(folder) / ".writable"
+        with atomic(probe) as tmp:
+            tmp.write_bytes(b"\n")
+        probe.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- getting the text
@@ -323,6 +377,7 @@ def read_instructions(path=DATA / "instructions.jsonl"):
     """The training instructions, each a dict with words, instruction and story."""
     if not Path(path).exists():
         raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    check_made(path)  # not cut short since data.py made it
     with open(path, encoding="utf-8") as file:
         try:
             instructions = [json.loads(line) for line in file]
@@ -367,9 +422,24 @@ def read_heldout(path=HELDOUT):
     except ValueError:
         heldout = None
     if not isinstance(heldout, dict) or heldout.get("version") != HELD_OUT_VERSION \
-            or len(heldout.get("instructions", [])) != HELD_OUT:
+            or not isinstance(heldout.get("instructions"), list) or len(heldout["instructions"]) != HELD_OUT:
         raise SystemExit(f"{path} is not version {HELD_OUT_VERSION} of the {HELD_OUT} held-out instructions")
+    # Each as data.py writes it: the reward reads three lowercase words (a string would be
+    # scored letter by letter, a capital never matches).
+    for number, example in enumerate(heldout["instructions"], 1):
+        if not well_formed(example):
+            raise SystemExit(f"{path}: held-out instruction {number} is not three lowercase words, their "
+                             "instruction and a story; take the file again from the repository")
     return heldout["instructions"]
+
+
+def well_formed(example):
+    """Whether a held-out instruction has three distinct lowercase words, the instruction
+    that asks for them, and a story."""
+    words = example.get("words") if isinstance(example, dict) else None
+    return (isinstance(words, list) and all(isinstance(word, str) and WORD.fullmatch(word) for word in words)
+            and len(set(words)) == 3 == len(words) and example.get("instruction") == instruction(words)
+            and isinstance(example.get("story"), str))
 
 
 # ---------------------------------------------------------------- tokens
@@ -408,23 +478,85 @@ def inputs_of(*paths, **settings):
     return json.loads(json.dumps({"files": files, "settings": settings}))
 
 
+def outputs_of(paths):
+    """What a step made: each output's size and a hash of its bytes (None for one that is
+    missing), so that a file cut short or damaged since then is made again."""
+    return {Path(p).name: [Path(p).stat().st_size, file_hash(p)] if Path(p).exists() else None for p in paths}
+
+
+def file_hash(path):
+    """A hash of a file's bytes, read a megabyte at a time (a token file is a gigabyte)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def read_manifest(out):
+    """What each step last ran on and made; nothing (so every step runs) if it is missing or damaged."""
+    try:
+        done = json.loads((Path(out) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return done if isinstance(done, dict) and all(isinstance(step, dict) for step in done.values()) else {}
+
+
 def run_step(out, step, inputs, outputs, make):
-    """Runs make() unless the manifest says this step already ran on the same inputs().
-    The inputs are read again after the step, for a step may make one (heldout.json)."""
-    manifest = out / "manifest.json"
-    done = json.loads(manifest.read_text()) if manifest.exists() else {}
-    if done.get(step) == inputs() and all(Path(p).exists() for p in outputs):
+    """Runs make() unless the manifest says this step already ran on the same inputs() and its
+    outputs are still the files it made. The inputs are read again after the step, for a step
+    may make one (heldout.json)."""
+    done = read_manifest(out)
+    last = done.get(step, {})
+    if last.get("inputs") == inputs() and last.get("outputs") == outputs_of(outputs):
         print(f"{step}: up to date ({', '.join(Path(p).name for p in outputs)})")
         return
     started = time.time()
     print(f"{step}: {make()} ({time.time() - started:.1f} s)")
-    done[step] = inputs()
-    with atomic(manifest) as tmp:
+    done[step] = {"inputs": inputs(), "outputs": outputs_of(outputs)}
+    with atomic(out / "manifest.json") as tmp:
         tmp.write_text(json.dumps(done, indent=1) + "\n")
 
 
+def check_made(path):
+    """Stops with one line when a file of the data folder is not the size data.py made it
+    (cut short by a full disk, or a copy): read as it is, it would silently be less data."""
+    path = Path(path)
+    for step in read_manifest(path.parent).values():
+        made = step.get("outputs", {}).get(path.name)
+        if made and made[0] != path.stat().st_size:
+            raise SystemExit(f"{path} is {path.stat().st_size:,} bytes where data.py made {made[0]:,}; "
+                             "make it again with python data.py")
+
+
+@contextmanager
+def one_at_a_time(out):
+    """Holds the data folder while this run prepares it: a second data.py on the same folder
+    stops with one line, where both would write its files and the manifest of one could name
+    the data of the other. The lock is the operating system's, so a killed run leaves none."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a") as file:
+        try:
+            lock(file)
+        except OSError:
+            raise SystemExit(f"another python data.py is preparing {out}; wait for it to end, "
+                             "or give this one another --out") from None
+        yield
+
+
+def lock(file):
+    """Locks an open file for this process, or raises OSError when another process holds it."""
+    if os.name == "nt":
+        import msvcrt
+        msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
-    """The four steps, each skipped when its inputs haven't changed since the last run."""
+    """The four steps, each skipped when its inputs haven't changed since the last run and
+    its outputs are as it made them."""
     out.mkdir(parents=True, exist_ok=True)
     train, valid = out / "train.txt", out / "valid.txt"
     # 1. Clean stories, train and valid apart, the held-out stories out of train.
@@ -489,8 +621,9 @@ def main():
     if args.megabytes is not None and args.megabytes <= 0:
         parser.error("--megabytes must be a positive number")
     out = Path(args.out)
-    files = local_files(args.source) if args.source else download(out / "download", args.megabytes)
-    prepare(files, out)
+    with one_at_a_time(out):
+        files = local_files(args.source) if args.source else download(out / "download", args.megabytes)
+        prepare(files, out)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
-from data import instruction, load_tokenizer
+from data import check_writable, instruction, load_tokenizer
 from evaluate import heldout_stories, load_instructions, words_used
 from finetune import collate
 from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
@@ -100,6 +100,7 @@ def main():
     # float32 by default: log-probabilities summed over a story need it (see above).
     args = parse_training_args(training_parser("Train the fine-tuned model with DPO on preference pairs.",
                                                minutes=10, precision="fp32"))
+    check_writable(CHECKPOINTS / "dpo", RUNS / "dpo")  # now, not when the model is saved
 
     device = pick_device(args.device)
     precision = args.precision

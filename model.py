@@ -21,6 +21,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from textwrap import shorten
 
 import torch
 import torch.nn as nn
@@ -234,14 +235,18 @@ def pick_device(name=None):
 
 
 def chosen_device(name):
-    """The device named by --device, refused in one line when this machine has no such device."""
+    """The device named by --device, refused in one line when the series doesn't run on it
+    (torch knows others: xpu, meta...) or this machine has no such device."""
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise SystemExit(f"--device {name}: not a device; use cpu, cuda or mps")
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
-    if device.type in available and not available[device.type]():
-        raise SystemExit(f"--device {name}: this machine (or its build of torch) has no {device.type}")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise SystemExit(f"--device {name}: not a device the series runs on; use cpu, cuda or mps")
+    available = {"cpu": lambda: True, "mps": torch.backends.mps.is_available,
+                 "cuda": lambda: (device.index or 0) < torch.cuda.device_count()}
+    if not available[device.type]():
+        raise SystemExit(f"--device {name}: this machine (or its build of torch) has no {name}")
     return device
 
 
@@ -284,25 +289,24 @@ def checkpoint_file(path):
     return path if path.suffix == ".pt" else path / "model.pt"
 
 
-def save_checkpoint(path, model, tokenizer, made_by, optimizer=None):
+def save_checkpoint(path, model, tokenizer, made_by, optimizer=None, **state):
     """Weights, config, the tokenizer they were trained with, and what made them
-    (script, step, settings), written to a temporary file and then renamed."""
+    (script, step, settings), written to a temporary file and then renamed. An optimizer's
+    state and any further `state` (an RL run's critic, its random state) are for resuming."""
     checkpoint = {"model": model.state_dict(), "config": asdict(model.config),
-                  "tokenizer": tokenizer.fingerprint(), "made_by": made_by}
+                  "tokenizer": tokenizer.fingerprint(), "made_by": made_by, **state}
     if optimizer is not None:
         checkpoint["optimizer"] = optimizer.state_dict()
-    with atomic(checkpoint_file(path)) as tmp:
-        torch.save(checkpoint, tmp)
+    # Through a file of ours: torch then lets a full disk's OSError through, which atomic() words.
+    with atomic(checkpoint_file(path)) as tmp, open(tmp, "wb") as file:
+        torch.save(checkpoint, file)
 
 
 def read_checkpoint(path):
     """The checkpoint's contents, loaded with weights_only=True: tensors and plain values,
     never code. Missing, damaged or foreign files stop with one line."""
     file = checkpoint_file(path)
-    # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is grpo.py's.
-    folders = file.parts[:-1]
-    script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else None
-    command = MADE_BY.get(script_folder, "the script that writes it")
+    command = made_with(file)
     if not file.exists():
         raise SystemExit(f"no checkpoint at {file}: make it with {command}")
     try:
@@ -315,9 +319,18 @@ def read_checkpoint(path):
     return checkpoint
 
 
+def made_with(file):
+    """The command that makes a checkpoint, for the errors that name it."""
+    # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is grpo.py's.
+    folders = file.parts[:-1]
+    script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else None
+    return MADE_BY.get(script_folder, "the script that writes it")
+
+
 def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
     """The model in a checkpoint, on `device`; with a tokenizer, refuses a model trained with
-    another one (its tokens would mean other things)."""
+    another one (its tokens would mean other things), and any model whose context is not the
+    series' (pretraining's windows, fine-tuning's examples and evaluation all take 256 tokens)."""
     checkpoint = read_checkpoint(path)
     file = checkpoint_file(path)
     if tokenizer is not None and checkpoint["tokenizer"] != tokenizer.fingerprint():
@@ -328,8 +341,13 @@ def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
         model.load_state_dict(checkpoint["model"])
     except (TypeError, RuntimeError) as error:
         lines = str(error).strip().splitlines()
-        reason = lines[1].strip() if len(lines) > 1 else lines[0]  # the first line only names the class
-        raise SystemExit(f"{file} does not match the model it describes ({reason})")
+        reason = lines[1] if len(lines) > 1 else lines[0]  # the first line only names the class
+        # One short line: a list of missing weights runs to kilobytes.
+        raise SystemExit(f"{file} does not match the model it describes ({shorten(reason, 150, placeholder=' ...')}); "
+                         f"make it again with {made_with(file)}")
+    if model.config.context != Config.context:
+        raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
+                         f"{Config.context}; make it again with {made_with(file)}")
     if not quiet:
         made_by = checkpoint["made_by"]
         print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} "

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from data import DATA, atomic, load_tokenizer, read_instructions
+from data import DATA, atomic, check_writable, load_tokenizer, read_instructions
 from evaluate import words_used
 from model import CHECKPOINTS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, encode_prompt, write_stories
@@ -94,6 +94,7 @@ def main():
     args = parser.parse_args()
     if args.instructions < 1 or args.stories < 2:
         parser.error("--instructions must be at least 1 and --stories at least 2")
+    check_writable(PAIRS.parent)  # now, not when the pairs are saved
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()

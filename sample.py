@@ -28,6 +28,9 @@ from data import instruction, load_tokenizer
 from model import CHECKPOINTS, load_checkpoint, pick_device
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
+# The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes
+# them all infinite) and the draw lands past the last token. 0 takes the likeliest token.
+MIN_TEMPERATURE = 1e-3
 
 
 def encode_prompt(tokenizer, prompt):
@@ -77,21 +80,23 @@ def main():
     parser.add_argument("--model", default=str(CHECKPOINTS / "finetune"), help="a checkpoint folder or file")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--words", nargs=3, metavar="WORD", help="three words to ask for")
-    group.add_argument("--prompt", help="any text to continue (default: Once upon a time)")
+    group.add_argument("--prompt", default="Once upon a time", help="any text to continue (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=MAX_NEW_TOKENS, help="the most new tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
     args = parser.parse_args()
-    if not 0 <= args.temperature < math.inf or (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
-        parser.error("--temperature must be a number, at least 0, and --top-k and --tokens at least 1")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        parser.error(f"--temperature must be 0 (the likeliest token) or at least {MIN_TEMPERATURE:g}")
+    if (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
+        parser.error("--top-k and --tokens must be at least 1")
     if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
 
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, pick_device(args.device), tokenizer)
-    prompt = instruction(args.words) if args.words else (args.prompt or "Once upon a time")
+    prompt = instruction(args.words) if args.words else args.prompt  # "" too: a story from nothing
     room = model.config.context - len(encode_prompt(tokenizer, prompt))
     if room < 1:
         parser.error(f"the prompt is longer than the model's context of {model.config.context} tokens")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, load_tokenizer
+from data import DATA, check_made, check_writable, load_tokenizer
 from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
                    read_checkpoint, save_checkpoint)
 from sample import write
@@ -74,6 +74,7 @@ def load_tokens(split, folder=DATA):
     size = path.stat().st_size
     if size % 2 or size // 2 <= CONTEXT + 1:  # uint16 tokens, at least one window of them
         raise SystemExit(f"{path} is damaged or too short ({size:,} bytes); make it again with python data.py")
+    check_made(path)  # not cut short since data.py made it
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
@@ -140,12 +141,13 @@ def main():
     parser = training_parser("Pretrain the GPT on the train stories.", minutes=60)
     parser.add_argument("--resume", action="store_true", help="go on from checkpoints/pretrain/model.pt")
     args = parse_training_args(parser)
+    folder = CHECKPOINTS / "pretrain"
+    check_writable(folder, RUNS / "pretrain")  # now, not when the first checkpoint is saved
 
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     tokenizer = load_tokenizer()
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
-    folder = CHECKPOINTS / "pretrain"
 
     # A new model, or the last checkpoint with its optimizer, step and time so far.
     torch.manual_seed(SEED)
@@ -160,7 +162,12 @@ def main():
         made_by = checkpoint["made_by"]
         step, elapsed = made_by["step"], made_by["seconds"]
         # The schedule is the one the run started with, whatever the command line says now.
-        args.minutes, args.steps = made_by["settings"]["minutes"], made_by["settings"]["steps"]
+        schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]
+        if (args.minutes, args.steps) != schedule:
+            limit = f"at most {schedule[1]} steps" if schedule[1] else "no limit on steps"
+            print(f"a resumed run keeps its schedule, {schedule[0]:g} minutes and {limit}: "
+                  "the --minutes and --steps of this command are not used")
+        args.minutes, args.steps = schedule
         print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
     else:
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)

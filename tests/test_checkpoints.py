@@ -1,8 +1,14 @@
+import errno
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
 import tokenizer as bpe
-from model import checkpoint_file, load_checkpoint, read_checkpoint, save_checkpoint
+from data import check_writable
+from model import GPT, TINY, Config, checkpoint_file, load_checkpoint, read_checkpoint, save_checkpoint
 
 
 class Evil:
@@ -56,6 +62,19 @@ def test_wrong_shaped_weights_are_refused_not_half_loaded(small_model, small_tok
     torch.save(checkpoint, path)
     with pytest.raises(SystemExit, match="does not match"):
         load_checkpoint(path)
+    checkpoint["config"].update(n_embd=32, n_layer=40)  # missing weights: a list of hundreds, kept short
+    torch.save(checkpoint, path)
+    with pytest.raises(SystemExit, match="does not match") as refused:
+        load_checkpoint(path)
+    assert len(str(refused.value)) < 300 and "\n" not in str(refused.value)
+
+
+def test_a_model_whose_context_is_not_the_series_is_refused(small_tokenizer, tmp_path):
+    path = tmp_path / "checkpoints" / "pretrain" / "model.pt"
+    model = GPT(Config(vocab_size=small_tokenizer.vocab_size, **{**TINY, "context": 128}))
+    save_checkpoint(path, model, small_tokenizer, {"script": "test"})
+    with pytest.raises(SystemExit, match="context of 128 tokens.*python train.py"):
+        load_checkpoint(path)
 
 
 def test_model_of_another_tokenizer_is_refused(small_model, small_tokenizer, tmp_path):
@@ -71,8 +90,7 @@ def test_interrupted_save_keeps_the_old_checkpoint(small_model, small_tokenizer,
     save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 1})
 
     def interrupted(obj, file):
-        with open(file, "wb") as f:
-            f.write(b"half a checkpoint")
+        file.write(b"half a checkpoint")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", interrupted)
@@ -85,3 +103,55 @@ def test_interrupted_save_keeps_the_old_checkpoint(small_model, small_tokenizer,
 def test_a_folder_means_its_final_model():
     assert checkpoint_file("checkpoints/ppo/kl-0.05").name == "model.pt"
     assert checkpoint_file("checkpoints/ppo/kl-0.05/rollout-10.pt").name == "rollout-10.pt"
+
+
+def saved_step(path):
+    return read_checkpoint(path)["made_by"]["step"]
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_a_save_the_disk_refuses_stops_with_one_line_and_keeps_the_checkpoint(small_model, small_tokenizer, tmp_path,
+                                                                             monkeypatch, error):
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 1})
+
+    def refused(obj, file):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(torch, "save", refused)
+    if error == errno.EROFS:  # on a read-only disk, removing the temporary file fails too
+        monkeypatch.setattr(Path, "unlink", lambda *args, **kwargs: refused(None, None))
+    with pytest.raises(SystemExit) as stopped:
+        save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 2})
+    message = str(stopped.value)
+    assert "\n" not in message and str(tmp_path) in message
+    assert ("no space left" if error == errno.ENOSPC else "Read-only file system") in message
+    monkeypatch.undo()
+    assert saved_step(path) == 1
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    check_writable(tmp_path / "checkpoints" / "pretrain", tmp_path / "runs")
+    assert [p.name for p in (tmp_path / "checkpoints" / "pretrain").iterdir()] == []
+
+    def full(fd):  # a full disk may refuse the bytes only when they are written out
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SystemExit, match="no space left on the disk for .*checkpoints"):
+        check_writable(tmp_path / "checkpoints" / "pretrain")
+
+
+def test_temporary_files_of_killed_saves_are_removed_and_a_save_is_on_disk_before_its_rename(
+        small_model, small_tokenizer, tmp_path, monkeypatch):
+    stale, running = tmp_path / ".model.pt.99999.tmp", tmp_path / ".model.pt.88888.tmp"
+    stale.write_bytes(b"half of a checkpoint, from a run killed yesterday")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    running.write_bytes(b"a save that another run is writing now")
+    calls, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda *args: calls.append("replace") or real_replace(*args))
+    save_checkpoint(tmp_path / "model.pt", small_model, small_tokenizer, {"script": "test", "step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "model.pt"]
+    assert calls == ["fsync", "replace"]

@@ -259,3 +259,61 @@ def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
 def test_unreachable_server_says_what_to_do(tmp_path):
     with pytest.raises(SystemExit, match="--source"):
         data.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")
+
+
+# ---------------------------------------------------------------- damaged outputs, two runs at once
+
+def test_a_damaged_output_is_made_again(corpus, prepared, capsys):
+    made = {name: (prepared / name).read_bytes() for name in ("train.bin", "instructions.jsonl", "tokenizer.json")}
+    # A token file cut to an even size (half its tokens) and instructions cut mid-line.
+    (prepared / "train.bin").write_bytes(made["train.bin"][:len(made["train.bin"]) // 4 * 2])
+    (prepared / "instructions.jsonl").write_bytes(made["instructions.jsonl"][:-30])
+    capsys.readouterr()
+    prepare(corpus, prepared)
+    out = capsys.readouterr().out
+    assert "stories: up to date" in out and "tokenizer: up to date" in out
+    assert "instructions: up to date" not in out and "tokens: up to date" not in out
+    # A truncated tokenizer, which the error of load_tokenizer says to make again with data.py.
+    (prepared / "tokenizer.json").write_bytes(made["tokenizer.json"][:100])
+    prepare(corpus, prepared)
+    assert {name: (prepared / name).read_bytes() for name in made} == made
+
+
+def test_a_token_file_cut_since_data_py_made_it_is_refused(prepared):
+    import train
+
+    path = prepared / "train.bin"
+    path.write_bytes(path.read_bytes()[:-1000])  # still an even size, and many windows long
+    with pytest.raises(SystemExit, match="where data.py made .*make it again with python data.py"):
+        train.load_tokens("train", prepared)
+
+
+def test_a_damaged_manifest_runs_every_step_again(corpus, prepared, capsys):
+    (prepared / "manifest.json").write_text('{"stories": ')
+    capsys.readouterr()
+    prepare(corpus, prepared)
+    assert "up to date" not in capsys.readouterr().out
+
+
+def test_a_second_data_py_on_the_same_folder_is_refused(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    monkeypatch.setattr("sys.argv", ["data.py", "--source", str(corpus), "--out", str(out)])
+    with data.one_at_a_time(out):
+        with pytest.raises(SystemExit, match="another python data.py is preparing"):
+            data.main()
+    assert not (out / "manifest.json").exists()
+    with data.one_at_a_time(out):  # let go when the first run ends
+        pass
+
+
+@pytest.mark.parametrize("words", ["kite", ["Kite", "river", "brave"], ["kite", "kite", "river"], None])
+def test_a_held_out_instruction_that_the_reward_would_misread_is_refused(tmp_path, words):
+    heldout = json.loads(data.HELDOUT.read_text())
+    example = heldout["instructions"][6]
+    if words is None:  # the words as written, another instruction
+        example["instruction"] = "Write a story.\n"
+    else:  # a word as a string is read letter by letter; a capital never matches a story's word
+        example.update(words=words, instruction=data.instruction(words) if isinstance(words, list) else "")
+    (tmp_path / "heldout.json").write_text(json.dumps(heldout))
+    with pytest.raises(SystemExit, match="held-out instruction 7 is not three lowercase words"):
+        data.read_heldout(tmp_path / "heldout.json")

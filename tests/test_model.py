@@ -110,9 +110,12 @@ def test_cache_refuses_several_tokens_after_the_prompt():
 
 
 def test_pick_device_honours_an_override_and_refuses_what_is_not_there():
-    assert gpt.pick_device("meta") == torch.device("meta")  # never the default, so only the override gives it
-    with pytest.raises(SystemExit, match="not a device"):
-        gpt.pick_device("nonsense")
+    assert gpt.pick_device("cpu") == torch.device("cpu")
+    for name in ("nonsense", "meta", "xpu", "vulkan"):  # torch knows the last three; the series runs on none
+        with pytest.raises(SystemExit, match="not a device the series runs on"):
+            gpt.pick_device(name)
+    with pytest.raises(SystemExit, match="has no cuda:99"):
+        gpt.pick_device("cuda:99")
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="has no cuda"):
             gpt.pick_device("cuda")

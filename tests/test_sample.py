@@ -1,3 +1,6 @@
+import pytest
+
+import sample
 from conftest import always_writes
 from sample import cut_at_end, encode_prompt, write, write_stories
 
@@ -38,3 +41,17 @@ def test_writing_turns_dropout_off_and_leaves_a_training_model_in_training(small
     small_model.train()  # dropout would change the story, if writing left it on
     assert write(small_model, small_tokenizer, "A kite", max_new_tokens=20, seed=3) == in_eval
     assert small_model.training
+
+
+def test_a_temperature_too_small_to_divide_by_is_refused(run_main, capsys):
+    with pytest.raises(SystemExit):
+        run_main(sample, "--temperature", "1e-40")
+    assert "--temperature must be 0 (the likeliest token) or at least 0.001" in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_written_after_as_given(run_main, monkeypatch):
+    prompts = []
+    monkeypatch.setattr(sample, "write", lambda model, tokenizer, prompt, *args: prompts.append(prompt) or "")
+    run_main(sample, "--prompt", "")
+    run_main(sample, "--model", "checkpoints/finetune")
+    assert prompts == ["", "Once upon a time"]

@@ -1,10 +1,13 @@
 """The pretraining and fine-tuning scripts run end to end, on the series-size model, for a
 few steps, in a copy of the workspace's data."""
+import errno
+import os
 import shutil
 import sys
 
 import pytest
 
+import dpo
 import finetune
 import train
 from model import read_checkpoint
@@ -42,7 +45,9 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     # Resumed, with other numbers on the command line, it finishes the schedule it started with.
     monkeypatch.setattr(train, "train_step", real_step)
     run(train, monkeypatch, "--resume", "--steps", "99", "--minutes", "1")
-    assert "resuming at step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resuming at step 2" in out
+    assert "a resumed run keeps its schedule, 30 minutes and at most 4 steps" in out  # and says so
     resumed = read_checkpoint(learner / "checkpoints" / "pretrain")
     assert resumed["made_by"]["step"] == 4 and "optimizer" in resumed
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
@@ -53,3 +58,14 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
     assert set(made_by["losses"]) == {"instructions", "plain"}
     assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
+
+
+@pytest.mark.parametrize("script", [train, finetune, dpo])
+def test_a_full_disk_stops_training_before_it_starts(script, learner, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(script, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
+    with pytest.raises(SystemExit, match="no space left on the disk for checkpoints"):
+        run(script, monkeypatch, "--steps", "2")
