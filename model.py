@@ -9,7 +9,9 @@ token embedding. The series' model is the Config below: about 14.6M parameters.
 Writing a story one token at a time would recompute every earlier position for each new
 token. The KV cache keeps each layer's keys and values, so a new token costs one position.
 And when a batch repeats one prompt (a GRPO group), the prompt runs once and its keys and
-values are copied to every story.
+values are copied to every story. A rollout of many prompts of several lengths (GRPO's 16
+instructions, each 8 times) is one batch too: each prompt runs once, each row then writes at
+its own positions, and rows whose story has ended leave the batch.
 
 Shared by the later scripts: pick_device(), the CHECKPOINTS and RUNS folders,
 save_checkpoint() and load_checkpoint().
@@ -51,13 +53,19 @@ TINY = dict(context=256, n_layer=2, n_head=2, n_embd=32)  # for tests: Config(vo
 
 
 class KVCache:
-    """Each layer's keys and values for the positions written so far."""
+    """Each layer's keys and values for the positions written so far. `filled` counts those
+    positions: one number when every row's prompt has one length, or a tensor with a count
+    for each row when a batch holds prompts of several lengths (see gather)."""
 
     def __init__(self, config, length):
         self.n_layer, self.length, self.filled = config.n_layer, length, 0
         self.keys = self.values = None  # made at the first call, in the dtype the layers produce
 
     def add(self, layer, k, v):
+        """Stores new keys and values; returns the layer's keys and values so far, and which of
+        them each row may see (None: all of them)."""
+        if torch.is_tensor(self.filled):
+            return self.add_per_row(layer, k, v)
         batch, heads, new, head_size = k.shape
         if self.keys is None:
             shape = (self.n_layer, batch, heads, self.length, head_size)
@@ -66,12 +74,42 @@ class KVCache:
         end = self.filled + new
         self.keys[layer, :, :, self.filled:end] = k
         self.values[layer, :, :, self.filled:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None
+
+    def add_per_row(self, layer, k, v):
+        # One new token per row, each at its row's own next position; a row sees only the
+        # positions it has filled, not the slots a shorter prompt left empty.
+        rows = torch.arange(k.size(0), device=k.device)
+        self.keys[layer, rows, :, self.filled] = k[:, :, 0]
+        self.values[layer, rows, :, self.filled] = v[:, :, 0]
+        end = int(self.filled.max()) + 1
+        visible = torch.arange(end, device=k.device) <= self.filled[:, None]
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]
 
     def repeat(self, copies):
         """A cache of one prompt becomes a cache of `copies` identical rows."""
         self.keys = self.keys.repeat(1, copies, 1, 1, 1)
         self.values = self.values.repeat(1, copies, 1, 1, 1)
+
+    def gather(self, caches, rows):
+        """Fills this cache with the caches of several prompts (one row each, or one row per
+        copy), each copied to its number of rows; each row keeps its own count of positions."""
+        first = caches[0].keys
+        shape = (self.n_layer, sum(rows), first.size(2), self.length, first.size(4))
+        self.keys, self.values = first.new_zeros(shape), first.new_zeros(shape)
+        start = 0
+        for cache, count in zip(caches, rows):
+            self.keys[:, start:start + count, :, :cache.filled] = cache.keys[:, :, :, :cache.filled]
+            self.values[:, start:start + count, :, :cache.filled] = cache.values[:, :, :, :cache.filled]
+            start += count
+        self.filled = torch.tensor([c.filled for c, count in zip(caches, rows) for _ in range(count)],
+                                   device=first.device)
+
+    def keep(self, rows):
+        """Only these rows (a mask) from now on: the others have ended their stories."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        if torch.is_tensor(self.filled):
+            self.filled = self.filled[rows]
 
 
 class SelfAttention(nn.Module):
@@ -86,12 +124,14 @@ class SelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        visible = None
         if cache is not None:
             # Either the whole prompt from position 0, or one new token that may see all before it.
-            assert cache.filled == 0 or T == 1, "the cache takes a prompt first, then one token at a time"
-            k, v = cache.add(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=T > 1)
+            assert T == 1 or (not torch.is_tensor(cache.filled) and cache.filled == 0), \
+                "the cache takes a prompt first, then one token at a time"
+            k, v, visible = cache.add(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible,
+                                           dropout_p=self.dropout if self.training else 0.0, is_causal=T > 1)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
@@ -146,20 +186,26 @@ class GPT(nn.Module):
     def parameter_count(self):
         return sum(p.numel() for p in self.parameters())  # the tied matrix counts once
 
-    def forward(self, tokens, targets=None, cache=None):
+    def forward(self, tokens, targets=None, cache=None, hidden=False):
         """Logits for every position, and the mean next-token loss where targets are given
-        (-1 marks a target to skip)."""
+        (-1 marks a target to skip). With hidden=True, the logits and the final layer norm's
+        output instead: the channels the output layer reads, which PPO's critic reads too."""
         B, T = tokens.shape
         start = cache.filled if cache is not None else 0
-        if start + T > self.config.context:
-            raise ValueError(f"{start + T} positions is more than the model's context of {self.config.context}")
-        positions = torch.arange(start, start + T, device=tokens.device)
+        # Each row's positions: from 0 for a prompt, or past the row's own prompt for a new token.
+        positions = torch.arange(T, device=tokens.device) + torch.as_tensor(start, device=tokens.device).view(-1, 1)
+        if int(positions.max()) >= self.config.context:
+            raise ValueError(f"{int(positions.max()) + 1} positions is more than the model's context "
+                             f"of {self.config.context}")
         x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer)
         if cache is not None:
             cache.filled += T  # every layer wrote its keys and values at the same positions
-        logits = self.head(self.ln(x))
+        x = self.ln(x)
+        logits = self.head(x)
+        if hidden:
+            return logits, x
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
@@ -167,33 +213,64 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_k=None, stop=None, generator=None):
-        """Writes up to max_new_tokens after each row of prompts (B, T: one length for all),
-        every row at once. Temperature 0 takes the likeliest token. A row that writes `stop`
-        writes only `stop` after it, and writing ends early once every row has stopped.
-        Returns the prompts with what was written after them: (B, T + tokens written)."""
-        B, T = prompts.shape
+        """Writes up to max_new_tokens after each row of prompts, every row at once: prompts is
+        a (B, T) tensor of prompts of one length, or a list of such tensors of several lengths
+        (a GRPO rollout: each instruction stacked eight times). Temperature 0 takes the
+        likeliest token. A row that writes `stop` writes only `stop` after it, and writing
+        ends early once every row has stopped. Returns each prompt with what was written after
+        it, as it came: a (B, T + tokens written) tensor, or a list of them."""
+        groups = prompts if isinstance(prompts, list) else [prompts]
         assert max_new_tokens >= 1, "write at least one token"
-        cache = KVCache(self.config, T + max_new_tokens)
-        # A group repeats one prompt: run it once, with a batch of one, then copy its keys and
-        # values to every row; the next-token logits of that one row serve every row too.
-        shared = B > 1 and bool((prompts == prompts[:1]).all())
-        logits, _ = self(prompts[:1] if shared else prompts, cache=cache)
-        logits = logits[:, -1].expand(B, -1)
-        if shared:
-            cache.repeat(B)
-        written = []
-        ended = torch.zeros(B, dtype=torch.bool, device=prompts.device)
-        while True:
+        logits, cache = self.prefill(groups, max_new_tokens)
+        written = self.write(logits, cache, max_new_tokens, temperature, top_k, stop, generator)
+        outs = [torch.cat([group, new], dim=1) for group, new in zip(groups, written.split([len(g) for g in groups]))]
+        return outs if isinstance(prompts, list) else outs[0]
+
+    def prefill(self, groups, max_new_tokens):
+        """Runs the prompts through the model, filling a cache; returns each row's next-token
+        logits and the cache."""
+        caches, logits = [], []
+        for group in groups:
+            # A group that repeats one prompt runs it once, with a batch of one; its keys and
+            # values are then copied to every row, and its next-token logits serve every row.
+            shared = len(group) > 1 and bool((group == group[:1]).all())
+            cache = KVCache(self.config, group.size(1) + max_new_tokens)
+            out, _ = self(group[:1] if shared else group, cache=cache)
+            caches.append(cache)
+            logits.append(out[:, -1].expand(len(group), -1))
+        if len(groups) == 1:
+            if shared:
+                cache.repeat(len(group))
+            return logits[0], cache
+        # Prompts of several lengths: one cache for all the rows, each counting its own positions.
+        cache = KVCache(self.config, max(c.length for c in caches))
+        cache.gather(caches, [len(group) for group in groups])
+        return torch.cat(logits), cache
+
+    def write(self, logits, cache, max_new_tokens, temperature, top_k, stop, generator):
+        """The tokens written after each row's prompt, one step for every row at a time:
+        (rows, tokens written)."""
+        rows = logits.size(0)
+        written = torch.full((rows, max_new_tokens), 0 if stop is None else stop, device=logits.device)
+        writing = torch.arange(rows, device=logits.device)  # the rows in the batch, by their place in written
+        ended = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+        for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, generator)
             if stop is not None:
                 token = torch.where(ended, stop, token)
                 ended |= token == stop
-            written.append(token)
-            if len(written) == max_new_tokens or (stop is not None and bool(ended.all())):
+            written[writing, step] = token
+            if step + 1 == max_new_tokens or bool(ended.all()):
                 break
+            # Rows that have ended leave the batch once they are a quarter of it, so they stop
+            # costing a step each; not one at a time, as each leaving copies the cache.
+            if int(ended.sum()) * 4 >= len(ended):
+                going = ~ended
+                writing, token, ended = writing[going], token[going], ended[going]
+                cache.keep(going)
             logits, _ = self(token[:, None], cache=cache)
             logits = logits[:, -1]
-        return torch.cat([prompts, torch.stack(written, dim=1)], dim=1)
+        return written[:, :step + 1]
 
 
 def sampling_logits(logits, temperature, top_k):
@@ -215,9 +292,11 @@ def next_token(logits, temperature, top_k, generator):
     # running sum of the probabilities. It samples from the same distribution as
     # torch.multinomial with one random number per row, where multinomial draws noise for
     # every one of the 5,376 tokens. The draw is scaled by the last sum, which rounding
-    # leaves a hair off 1, so it can never land past the last token.
-    running_sum = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(dim=-1)
-    uniform = torch.rand(logits.size(0), 1, generator=generator, device=logits.device, dtype=torch.float64)
+    # leaves a hair off 1, so it can never land past the last token. In float64, but for
+    # Apple's MPS, which has none.
+    precise = torch.float32 if logits.device.type == "mps" else torch.float64
+    running_sum = F.softmax(logits, dim=-1, dtype=precise).cumsum(dim=-1)
+    uniform = torch.rand(logits.size(0), 1, generator=generator, device=logits.device, dtype=precise)
     return torch.searchsorted(running_sum, uniform * running_sum[:, -1:], right=True).squeeze(1)
 
 

@@ -7,9 +7,9 @@ with a temperature (1 samples from the model's own distribution; lower is safer 
 seed, and at most MAX_NEW_TOKENS. A story stops at its first end-of-text, which it keeps:
 ending a story is something the model has to learn too.
 
-write_stories() writes many stories in one pass: prompts of one length go into one batch,
-with the model's KV cache (model.py), and a batch finishes early once every story has
-ended. The RL episodes write 8 or 128 stories at once this way.
+write_stories() writes many stories in one pass: up to 128 prompts, of any lengths, go into
+one batch, with the model's KV cache (model.py), and a batch finishes early once every story
+has ended. The RL episodes write their 128 stories at once this way.
 
 A prompt starts with an end-of-text token, as every story did in pretraining, so the model
 knows a new story begins. Generation runs in float32: on this CPU, bfloat16 makes the
@@ -21,6 +21,7 @@ matrix products faster but attention over the cache slower, for no gain overall.
 import argparse
 import math
 import re
+from itertools import groupby
 
 import torch
 
@@ -46,25 +47,21 @@ def cut_at_end(tokens, eot):
 def write_stories(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_k=None, seed=0,
                   batch=128):
     """One story per prompt (texts), as lists of tokens cut after their first end-of-text.
-    Prompts of one length are written together, `batch` at a time; with a seed, the same
-    prompts give the same stories."""
+    The stories are written `batch` at a time, in one pass whatever their prompts' lengths,
+    and a prompt repeated one after another runs once for all its copies. With a seed, the
+    same prompts give the same stories."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
-    by_length = {}
-    for i, tokens in enumerate(encoded):
-        by_length.setdefault(len(tokens), []).append(i)
-    stories = [None] * len(prompts)
+    stories = []
     was_training = model.training
     model.eval()  # no dropout while writing
-    for length in sorted(by_length):
-        indices = by_length[length]
-        for start in range(0, len(indices), batch):
-            rows = indices[start:start + batch]
-            prompt = torch.tensor([encoded[i] for i in rows], device=device)
-            out = model.generate(prompt, max_new_tokens, temperature, top_k, stop=tokenizer.eot, generator=generator)
-            for i, row in zip(rows, out[:, length:].tolist()):
-                stories[i] = cut_at_end(row, tokenizer.eot)
+    for start in range(0, len(encoded), batch):
+        # Copies of one prompt, one after another, make a group: a (copies, length) tensor.
+        groups = [torch.tensor(list(copies), device=device) for _, copies in groupby(encoded[start:start + batch])]
+        outs = model.generate(groups, max_new_tokens, temperature, top_k, stop=tokenizer.eot, generator=generator)
+        for group, out in zip(groups, outs):
+            stories += [cut_at_end(row, tokenizer.eot) for row in out[:, group.size(1):].tolist()]
     model.train(was_training)
     return stories
 

@@ -13,7 +13,8 @@ def tiny_model(seed=0, vocab_size=97):
     # Larger weights than at initialisation, so the logits are far from ties.
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.3)
+            if p.dim() >= 2:  # the matrices; layer norms as they are, else every row writes one token
+                p.normal_(0, 0.3)
     return model.eval()
 
 
@@ -119,3 +120,46 @@ def test_pick_device_honours_an_override_and_refuses_what_is_not_there():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="has no cuda"):
             gpt.pick_device("cuda")
+
+
+def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_alone():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(4)
+    # A rollout in small: groups that repeat one prompt, of three lengths, and a group of two different prompts.
+    groups = [torch.randint(0, 97, (1, n), generator=g).repeat(copies, 1) for n, copies in ((5, 4), (9, 3), (2, 4))]
+    groups.append(torch.randint(0, 97, (2, 6), generator=g))
+    together = model.generate(groups, 30, temperature=0)
+    for group, out in zip(groups, together):
+        assert torch.equal(out, model.generate(group, 30, temperature=0))
+        with torch.no_grad():
+            assert torch.equal(out, generate_by_recomputing(model, group, 30))
+
+
+def test_rows_that_end_leave_the_batch_and_the_others_write_on_unchanged():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    groups = [torch.randint(0, 97, (1, n), generator=g) for n in (3, 7, 4, 5, 6, 8, 2, 9)]
+    free = model.generate(groups, 40, temperature=0)
+    stop = free[0][0, 3 + 2].item()  # the third token the first row writes: it ends early
+    stopped = model.generate(groups, 40, temperature=0, stop=stop)
+    for prompt, alone, out in zip(groups, free, stopped):
+        written = out[0, prompt.size(1):].tolist()
+        end = written.index(stop) + 1 if stop in written else len(written)
+        assert torch.equal(out[0, :prompt.size(1) + end], alone[0, :prompt.size(1) + end])
+        assert all(t == stop for t in written[end:])
+    calls = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    model.generate(groups, 40, temperature=0, stop=stop)
+    assert min(calls[len(groups):]) < len(groups)  # a row that ended stopped costing a step
+
+
+def test_stories_of_a_group_written_with_others_follow_the_model_distribution():
+    model = tiny_model(vocab_size=5)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = torch.softmax(model(prompt)[0][0, -1], -1)
+    groups = [torch.tensor([[4]]).repeat(100, 1), prompt.repeat(4000, 1), torch.tensor([[0, 1, 2, 3, 4]]).repeat(100, 1)]
+    out = model.generate(groups, 1, generator=torch.Generator().manual_seed(0))
+    shares = torch.bincount(out[1][:, -1], minlength=5).float() / 4000
+    assert torch.allclose(shares, expected, atol=0.025)
+
