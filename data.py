@@ -9,9 +9,10 @@ its outputs are still the files it made (the same size and hash):
 
 1. stories: stripped; empty and repeated stories dropped; a valid story that is also in
    train is dropped from valid, and a held-out story from train, so evaluation never
-   measures what training saw                             -> data/train.txt, data/valid.txt
-2. instructions: for each train story, three words it uses, and the instruction that asks
-   for them ("Write a story that uses the words kite, river and brave.")
+   measures what training saw; one train story in four is kept out of pretraining, for
+   fine-tuning                                 -> data/train.txt, data/tune.txt, data/valid.txt
+2. instructions: for each story kept for fine-tuning, three words it uses, and the
+   instruction that asks for them ("Write a story that uses the words kite, river and brave.")
                                                            -> data/instructions.jsonl
 3. the tokenizer (tokenizer.py), trained on the train stories   -> data/tokenizer.json
 4. token files for pretraining, an end-of-text before each story -> data/train.bin, valid.bin
@@ -66,6 +67,10 @@ HELD_OUT = 50  # instructions, three words each: 150 words, the evaluation set f
 HELD_OUT_VERSION = 1  # a new set gets a new version, never silently
 TOKENIZER_MEGABYTES = 200  # of train stories, for learning the merges
 VALID_SHARE = 20  # with no valid file, one story in VALID_SHARE becomes valid
+# One train story in TUNE_SHARE is kept out of pretraining, for fine-tuning on instructions: a
+# story pretraining has read many times is predicted from its own first tokens, and then the
+# instruction adds nothing to fine-tuning's loss (episode 3 tells the experiment).
+TUNE_SHARE = 4
 # A word a child would know: in at least 1 in 500 train stories (and 5 of them), but in at
 # most 1 in 10, as "happy" or "park" would be asked for and used without trying.
 RARE, COMMON, FEWEST = 1 / 500, 1 / 10, 5
@@ -288,14 +293,17 @@ def fingerprint(text):
 
 
 def write_stories(files, out, heldout=HELDOUT):
-    """Step 1: clean stories into train.txt and valid.txt; returns how many of each."""
+    """Step 1: clean stories into train.txt, tune.txt and valid.txt; returns how many of each."""
     held_out = {fingerprint(i["story"]) for i in read_heldout(heldout)} if Path(heldout).exists() else set()
     seen = set()  # fingerprints of the stories kept so far, train first
     counts = Counter()
     has_valid = any(split == "valid" for split, _ in files)
     ordered = [f for f in files if f[0] == "train"] + [f for f in files if f[0] == "valid"]
-    with atomic(out / "train.txt") as train_tmp, atomic(out / "valid.txt") as valid_tmp:
-        with open(train_tmp, "w", encoding="utf-8") as train, open(valid_tmp, "w", encoding="utf-8") as valid:
+    with atomic(out / "train.txt") as train_tmp, atomic(out / "tune.txt") as tune_tmp, \
+            atomic(out / "valid.txt") as valid_tmp:
+        with open(train_tmp, "w", encoding="utf-8") as train, open(tune_tmp, "w", encoding="utf-8") as tune, \
+                open(valid_tmp, "w", encoding="utf-8") as valid:
+            split_files = {"train": train, "tune": tune, "valid": valid}
             for split, path in ordered:
                 for story in read_stories(path):
                     story = story.strip()
@@ -307,9 +315,8 @@ def write_stories(files, out, heldout=HELDOUT):
                     if split == "train" and key in held_out:
                         counts["held out"] += 1  # evaluation's stories never reach training
                         continue
-                    # With no valid file, a story's fingerprint decides: one in VALID_SHARE is valid.
-                    goes_to = "valid" if split == "valid" or (not has_valid and key[0] % VALID_SHARE == 0) else "train"
-                    (train if goes_to == "train" else valid).write(f"{story}\n{SEPARATOR}\n")
+                    goes_to = split_of(split, key, has_valid)
+                    split_files[goes_to].write(f"{story}\n{SEPARATOR}\n")
                     counts[goes_to] += 1
             # Refused before the files are renamed, so the stories of an earlier run stay as they were.
             for split in ("train", "valid"):
@@ -318,8 +325,16 @@ def write_stories(files, out, heldout=HELDOUT):
     return counts
 
 
+def split_of(source_split, key, has_valid):
+    """Where a story goes, decided by its fingerprint: with no valid file, one in VALID_SHARE
+    is valid; of the train stories, one in TUNE_SHARE is kept for fine-tuning."""
+    if source_split == "valid" or (not has_valid and key[0] % VALID_SHARE == 0):
+        return "valid"
+    return "tune" if key[1] % TUNE_SHARE == 0 else "train"
+
+
 def stories(path):
-    """The stories of data/train.txt or data/valid.txt."""
+    """The stories of data/train.txt, tune.txt or valid.txt."""
     return (story.strip() for story in read_stories(path))
 
 
@@ -362,10 +377,10 @@ def ask(story, askable, seed=SEED):
 
 
 def write_instructions(out, askable):
-    """Step 2: an instruction for each train story that has three askable words."""
+    """Step 2: an instruction for each story kept for fine-tuning that has three askable words."""
     count = 0
     with atomic(out / "instructions.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as file:
-        for story in stories(out / "train.txt"):
+        for story in stories(out / "tune.txt"):
             example = ask(story, askable)
             if example:
                 file.write(json.dumps(example, ensure_ascii=False) + "\n")
@@ -558,12 +573,13 @@ def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
     """The four steps, each skipped when its inputs haven't changed since the last run and
     its outputs are as it made them."""
     out.mkdir(parents=True, exist_ok=True)
-    train, valid = out / "train.txt", out / "valid.txt"
-    # 1. Clean stories, train and valid apart, the held-out stories out of train.
-    run_step(out, "stories", lambda: inputs_of(heldout, *[p for _, p in files], files=[[s, str(p)] for s, p in files]),
-             [train, valid, heldout], lambda: make_stories(files, out, heldout))
-    # 2. An instruction for each train story: what fine-tuning and the RL episodes train on.
-    run_step(out, "instructions", lambda: inputs_of(train, **ASKING), [out / "instructions.jsonl"],
+    train, tune, valid = out / "train.txt", out / "tune.txt", out / "valid.txt"
+    # 1. Clean stories, train, tune and valid apart, the held-out stories out of train.
+    run_step(out, "stories", lambda: inputs_of(heldout, *[p for _, p in files], files=[[s, str(p)] for s, p in files],
+                                               tune_share=TUNE_SHARE),
+             [train, tune, valid, heldout], lambda: make_stories(files, out, heldout))
+    # 2. An instruction for each story kept for fine-tuning: what fine-tuning and the RL episodes train on.
+    run_step(out, "instructions", lambda: inputs_of(train, tune, **ASKING), [out / "instructions.jsonl"],
              lambda: make_instructions(out))
     # 3. The tokenizer learns its merges from the train stories.
     run_step(out, "tokenizer", lambda: inputs_of(train, vocab_size=vocab_size, megabytes=TOKENIZER_MEGABYTES),
@@ -579,7 +595,7 @@ def make_stories(files, out, heldout):
     if not Path(heldout).exists():
         write_heldout(heldout, draw_heldout(out / "valid.txt", askable_words(out / "train.txt")))
         print(f"  drew {HELD_OUT} held-out instructions from the valid stories into {heldout}")
-    return (f"{counts['train']:,} train and {counts['valid']:,} valid stories, "
+    return (f"{counts['train']:,} train, {counts['tune']:,} fine-tuning and {counts['valid']:,} valid stories, "
             f"{counts['dropped']:,} empty or repeated dropped, {counts['held out']} held-out stories left out of train")
 
 

@@ -3,7 +3,11 @@ Episode 3, instructions: the pretrained model learns to write a story for an ins
 
 Each example is a prompt (an end-of-text, then "Write a story that uses the words kite,
 river and brave." and a newline), then the story, then end-of-text: the instructions of
-data/instructions.jsonl, one per train story. The loss counts only the story's tokens and
+data/instructions.jsonl, one per story that data.py kept out of pretraining (a story the
+model has read many times is predicted from its own first tokens, and the instruction would
+add nothing to the loss). Each pass over the stories asks each of them for three other words
+it uses, drawn anew (the first pass asks for the file's words), so the words can only be
+read from the instruction, never recalled with the story. The loss counts only the story's tokens and
 its end-of-text, so the model learns to answer instructions, not to write them, and to end
 a story on its own. Pretraining's optimizer, schedule over --minutes and training step
 (train.py), with a smaller learning rate, as the model should keep what it knows.
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, instruction, load_tokenizer, read_instructions
+from data import DATA, SEED, ask, askable_words, check_writable, instruction, load_tokenizer, read_instructions
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
@@ -38,18 +42,20 @@ MIN_LR = 3e-5
 WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
 HELD_BACK = 256  # train instructions kept out of training, for the instruction loss
-SEED = 1337
 EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
 
 
-def load_examples(tokenizer, path=DATA / "instructions.jsonl"):
-    """Each instruction as (tokens, prompt length): the prompt, the story, end-of-text."""
-    examples = []
-    for example in read_instructions(path):
-        prompt = encode_prompt(tokenizer, example["instruction"])
-        tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
-        examples.append((tokens[:MAX_LENGTH], len(prompt)))
-    return examples
+def encode_example(tokenizer, example):
+    """An instruction as (tokens, prompt length): the prompt, the story, end-of-text."""
+    prompt = encode_prompt(tokenizer, example["instruction"])
+    tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
+    return tokens[:MAX_LENGTH], len(prompt)
+
+
+def ask_anew(tokenizer, stories, askable, epoch):
+    """Each story asked for three words it uses, drawn anew for each pass over the stories
+    (the first pass asks for the words of data/instructions.jsonl)."""
+    return [encode_example(tokenizer, ask(story, askable, seed=SEED + epoch)) for story in stories]
 
 
 def collate(examples, pad, device):
@@ -82,6 +88,7 @@ def instruction_loss(model, examples, pad, device, precision):
 
 def main():
     args = parse_training_args(training_parser("Fine-tune the pretrained model on instructions.", minutes=20))
+    check_writable(CHECKPOINTS / "finetune", RUNS / "finetune")  # now, not when the model is saved
 
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
@@ -95,14 +102,16 @@ def main():
 
     # Shuffle once with the seed; the last HELD_BACK examples measure the instruction loss.
     rng = np.random.default_rng(SEED)
-    examples = load_examples(tokenizer)
-    cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in examples)
-    print(f"{len(examples):,} instructions; {cut:,} are longer than {MAX_LENGTH} tokens and cut there")
-    if len(examples) < HELD_BACK + BATCH:
-        raise SystemExit(f"{len(examples)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
-    order = rng.permutation(len(examples))
-    train_examples = [examples[i] for i in order[:-HELD_BACK]]
-    held_back = [examples[i] for i in order[-HELD_BACK:]]
+    instructions = read_instructions()
+    if len(instructions) < HELD_BACK + BATCH:
+        raise SystemExit(f"{len(instructions)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
+    order = rng.permutation(len(instructions))
+    stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
+    held_back = [encode_example(tokenizer, instructions[i]) for i in order[-HELD_BACK:]]
+    askable = askable_words(DATA / "train.txt")
+    epoch, train_examples = 0, ask_anew(tokenizer, stories, askable, 0)
+    cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in train_examples + held_back)
+    print(f"{len(instructions):,} instructions; {cut:,} are longer than {MAX_LENGTH} tokens and cut there")
     valid_tokens = load_tokens("valid")
     pad = tokenizer.eot  # any token: padding is never a target
     writer = SummaryWriter(RUNS / "finetune")
@@ -131,8 +140,11 @@ def main():
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
-        # Go through the examples in a new order each epoch.
+        # Go through the stories in a new order each epoch, each asked for three other words it
+        # uses: the words must be read from the instruction, as no story comes with the same ones twice.
         if position + BATCH > len(train_examples):
+            epoch += 1
+            train_examples = ask_anew(tokenizer, stories, askable, epoch)
             rng.shuffle(train_examples)
             position = 0
         x, y = collate(train_examples[position:position + BATCH], pad, device)

@@ -62,7 +62,7 @@ def workspace(tmp_path_factory):
     rng = random.Random(1)
     source = root / "source"
     source.mkdir()
-    write_corpus(source / "train.txt", [make_story(rng) for _ in range(400)])
+    write_corpus(source / "train.txt", [make_story(rng) for _ in range(1200)])  # a quarter for fine-tuning
     write_corpus(source / "valid.txt", [make_story(rng) for _ in range(120)])
     data.prepare(data.local_files(source), root / "data", vocab_size=400, heldout=root / "heldout.json")
     tokenizer = data.load_tokenizer(root / "data")

@@ -1,5 +1,6 @@
 import gzip
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -30,10 +31,17 @@ def prepared(corpus, tmp_path):
     return prepare(corpus, tmp_path / "data")
 
 
-def test_split_keeps_train_and_valid_apart(corpus, prepared):
-    train, valid = read(prepared / "train.txt"), read(prepared / "valid.txt")
-    assert len(train) == 400 and len(valid) == 120  # the valid copy of a train story is dropped
-    assert not set(train) & set(valid)
+def test_split_keeps_train_tune_and_valid_apart(corpus, prepared):
+    train, tune, valid = (read(prepared / f"{split}.txt") for split in ("train", "tune", "valid"))
+    assert len(train) + len(tune) == 400 and len(valid) == 120  # the valid copy of a train story is dropped
+    assert 60 <= len(tune) <= 140  # about one in four train stories is kept out of pretraining
+    assert not set(train) & set(valid) and not set(train) & set(tune) and not set(tune) & set(valid)
+
+
+def test_instructions_come_from_the_stories_kept_out_of_pretraining(prepared):
+    tune = set(read(prepared / "tune.txt"))
+    stories = [e["story"] for e in data.read_instructions(prepared / "instructions.jsonl")]
+    assert stories and set(stories) <= tune
 
 
 def test_lowercased_file_is_left_out(prepared):
@@ -46,7 +54,8 @@ def test_stories_are_stripped_and_empty_or_repeated_ones_dropped(tmp_path):
                       f"A second story.\n{SEPARATOR}\n", encoding="utf-8")
     (tmp_path / "valid.txt").write_text(f"A valid story.\n{SEPARATOR}\n", encoding="utf-8")
     counts = data.write_stories(data.local_files(tmp_path), tmp_path / "out")
-    assert read(tmp_path / "out" / "train.txt") == ["A first story.", "A second story."]
+    kept = read(tmp_path / "out" / "train.txt") + read(tmp_path / "out" / "tune.txt")
+    assert sorted(kept) == ["A first story.", "A second story."]
     assert counts["dropped"] == 2
 
 
@@ -60,7 +69,7 @@ def test_story_that_is_not_utf8_is_dropped_with_a_message(tmp_path, capsys):
 
 def test_without_a_valid_file_one_story_in_twenty_becomes_valid(corpus, tmp_path):
     counts = data.write_stories(data.local_files(corpus / "stories-train.txt.gz"), tmp_path)
-    assert counts["train"] + counts["valid"] == 400
+    assert counts["train"] + counts["tune"] + counts["valid"] == 400
     assert 5 <= counts["valid"] <= 40
 
 
@@ -105,7 +114,7 @@ def test_heldout_stories_never_reach_training(corpus, prepared, tmp_path):
         f.write(f"{story}\n{SEPARATOR}\n")
     counts = data.write_stories(data.local_files(corpus), tmp_path, prepared / "heldout.json")
     assert counts["held out"] == 1
-    assert story not in read(tmp_path / "train.txt")
+    assert story not in read(tmp_path / "train.txt") + read(tmp_path / "tune.txt")
 
 
 def test_instructions_ask_for_whole_lowercase_words_never_names(prepared):
@@ -167,7 +176,8 @@ def test_changed_source_is_prepared_again(corpus, prepared, capsys):
     with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
         f.write(f"A new story about a kite.\n{SEPARATOR}\n")
     prepare(corpus, prepared)
-    assert "stories: 401 train" in capsys.readouterr().out
+    assert re.search(r"stories: (\d+) train, (\d+) fine-tuning", capsys.readouterr().out)
+    assert len(read(prepared / "train.txt")) + len(read(prepared / "tune.txt")) == 401
 
 
 def test_tokenizer_learns_from_the_first_megabytes_only():

@@ -5,7 +5,7 @@ import torch
 
 import finetune
 import train
-from data import load_tokenizer
+from data import askable_words, load_tokenizer, read_instructions
 from model import GPT, TINY, Config
 from sample import encode_prompt
 
@@ -21,9 +21,7 @@ def test_examples_are_prompt_story_and_end_cut_at_the_context(workspace, tmp_pat
     tokenizer = load_tokenizer(workspace / "data")
     ordinary = json.loads((workspace / "data" / "instructions.jsonl").read_text().splitlines()[0])
     long = {**ordinary, "story": " ".join(["The kite flew over the river."] * 100)}
-    path = tmp_path / "instructions.jsonl"
-    path.write_text(json.dumps(ordinary) + "\n" + json.dumps(long) + "\n")
-    (tokens, prompt_length), (cut, _) = finetune.load_examples(tokenizer, path)
+    (tokens, prompt_length), (cut, _) = (finetune.encode_example(tokenizer, e) for e in (ordinary, long))
     prompt = encode_prompt(tokenizer, ordinary["instruction"])
     assert tokens == prompt + tokenizer.encode(ordinary["story"]) + [tokenizer.eot]
     assert prompt_length == len(prompt)
@@ -32,7 +30,7 @@ def test_examples_are_prompt_story_and_end_cut_at_the_context(workspace, tmp_pat
 
 def test_fine_tuning_makes_the_instruction_loss_fall(workspace):
     tokenizer = load_tokenizer(workspace / "data")
-    examples = finetune.load_examples(tokenizer, workspace / "data" / "instructions.jsonl")[:64]
+    examples = [finetune.encode_example(tokenizer, e) for e in read_instructions(workspace / "data" / "instructions.jsonl")[:64]]
     torch.manual_seed(0)
     model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
     optimizer = train.make_optimizer(model, lr=3e-3)
@@ -43,3 +41,17 @@ def test_fine_tuning_makes_the_instruction_loss_fall(workspace):
         train.train_step(model, optimizer, x, y, "cpu", "fp32", 3e-3)
     after = finetune.instruction_loss(model, examples, tokenizer.eot, "cpu", "fp32")
     assert after < before - 1.0
+
+
+def test_each_pass_asks_each_story_for_words_it_uses_drawn_anew(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    instructions = read_instructions(workspace / "data" / "instructions.jsonl")[:40]
+    stories = [i["story"] for i in instructions]
+    askable = askable_words(workspace / "data" / "train.txt")
+    first, second = (finetune.ask_anew(tokenizer, stories, askable, epoch) for epoch in (0, 1))
+    assert first == [finetune.encode_example(tokenizer, i) for i in instructions]  # the file's words first
+    prompts = [tokenizer.decode(tokens[1:length]) for tokens, length in second]
+    assert sum(a != b for a, b in zip(first, second)) > 20  # most stories are asked for other words
+    for prompt, story in zip(prompts, stories):
+        words = prompt.removeprefix("Write a story that uses the words ").rstrip(".\n").replace(" and", ",").split(", ")
+        assert len(words) == 3 and all(word in story for word in words)
