@@ -19,9 +19,16 @@ cries, cried, crying). Irregular forms don't count (run is not in "ran"), nor a 
 another ("rain" is not in "rainbow", "car" not in "card"). One slip remains, as the rule
 doesn't know English: "hop" counts in "hoped" and "hoping", the forms of "hope".
 
-The table is printed, and each model's figures and stories are saved under runs/evaluate/.
+And two signs of reward hacking, for the RL episodes: stories that don't end (they run on
+to the limit, where a longer story has more chances to use a word), and how many times a
+used word is used (the reward counts it once, however often it comes back).
 
-    python evaluate.py checkpoints/pretrain checkpoints/finetune
+With --seeds N the held-out stories are written N times, with N seeds, and the table gives
+the mean and the range of the words used: one seed's 150 words move by several points from
+luck alone. The table is printed, and each model's figures and stories are saved under
+runs/evaluate/, in a file named after the checkpoint's path (grpo-kl-0.05-rollout-10.json).
+
+    python evaluate.py checkpoints/pretrain checkpoints/finetune --seeds 3
 """
 import argparse
 import json
@@ -67,22 +74,40 @@ def words_used(story, words):
     return sum(bool(forms(word) & found) for word in words) / len(words)
 
 
+def times_used(story, word):
+    """How many times a story uses a word, in any of its forms: one use is the task, more is
+    the reward hacking the RL episodes watch for (the reward counts a word once)."""
+    wanted = forms(word)
+    return sum(found in wanted for found in WORD.findall(story.lower()))
+
+
 def heldout_stories(model, tokenizer, instructions, seed=SEED):
     """One story per held-out instruction, as tokens, at temperature 1."""
     return write_stories(model, tokenizer, [i["instruction"] for i in instructions], MAX_NEW_TOKENS, seed=seed)
 
 
-def measure(model, tokenizer, instructions, valid_tokens, device):
-    stories = heldout_stories(model, tokenizer, instructions)
+def measure_stories(model, tokenizer, instructions, seed):
+    """The held-out stories of one seed: the words they use, how many end, how often a used
+    word comes back."""
+    stories = heldout_stories(model, tokenizer, instructions, seed)
     texts = [tokenizer.decode(story) for story in stories]
     used = [words_used(text, i["words"]) for text, i in zip(texts, instructions)]
-    return {
-        "words_used": sum(used) / len(used),
-        "valid_loss": valid_loss(model, valid_tokens, device, "fp32", windows=None),
-        "ended": sum(tokenizer.eot in story for story in stories) / len(stories),
-        "stories": [{"words": i["words"], "story": text, "words_used": u}
-                    for i, text, u in zip(instructions, texts, used)],
-    }
+    uses = [n for text, i in zip(texts, instructions) for n in (times_used(text, w) for w in i["words"]) if n]
+    return {"words_used": sum(used) / len(used), "ended": sum(tokenizer.eot in s for s in stories) / len(stories),
+            "uses_of_a_used_word": sum(uses) / max(len(uses), 1),
+            "stories": [{"words": i["words"], "story": text, "words_used": u}
+                        for i, text, u in zip(instructions, texts, used)]}
+
+
+def measure(model, tokenizer, instructions, valid_tokens, device, seeds=1, windows=None):
+    """A model's figures: those of its held-out stories, the mean over `seeds` seeds (each
+    seed's words used kept too), and its loss on plain stories (all of them, or `windows`
+    windows spread over them). The stories kept are seed 0's."""
+    by_seed = [measure_stories(model, tokenizer, instructions, SEED + seed) for seed in range(seeds)]
+    mean = {key: sum(m[key] for m in by_seed) / seeds for key in ("words_used", "ended", "uses_of_a_used_word")}
+    return {**mean, "words_used_by_seed": [m["words_used"] for m in by_seed],
+            "valid_loss": valid_loss(model, valid_tokens, device, "fp32", windows=windows),
+            "stories": by_seed[0]["stories"]}
 
 
 def model_name(path):
@@ -97,11 +122,43 @@ def model_name(path):
     return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("kl-") else folder.name
 
 
+def saved_name(path):
+    """The file a model's results are saved in: its path under checkpoints/, joined by dashes
+    (grpo-kl-0.05-rollout-10), so that two runs' rollout-10, or two folders named alike,
+    never overwrite each other's."""
+    file = Path(path) if Path(path).suffix == ".pt" else Path(path) / "model.pt"
+    parts = [*file.parent.parts, *([] if file.name == "model.pt" else [file.stem])]
+    if "checkpoints" in parts:
+        parts = parts[len(parts) - parts[::-1].index("checkpoints"):]
+    return "-".join(part for part in parts if part.strip("/."))
+
+
+def spread(values):
+    """A figure over several seeds: the mean, and the lowest and highest."""
+    if len(values) == 1:
+        return f"{values[0]:.0%}"
+    return f"{sum(values) / len(values):.0%} ({min(values):.0%} to {max(values):.0%})"
+
+
+def table(rows):
+    """The table of models, in markdown."""
+    lines = [f"| model | words used | loss on plain stories | stories that end within {MAX_NEW_TOKENS} tokens "
+             "| uses of a used word |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['model']} | {spread(r['words_used_by_seed'])} | {r['valid_loss']:.2f} | {r['ended']:.0%} | "
+              f"{r['uses_of_a_used_word']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Measure models on the held-out instructions and plain stories.")
     parser.add_argument("models", nargs="+", help="checkpoint folders (their final model) or files")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds for the held-out stories: their mean and spread")
+    parser.add_argument("--valid-windows", type=int, help="the loss on this many windows of the valid stories, "
+                        "spread over them, for a quicker figure (default: all of them)")
     parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
     args = parser.parse_args()
+    if args.seeds < 1 or (args.valid_windows is not None and args.valid_windows < 1):
+        parser.error("--seeds and --valid-windows must be at least 1")
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()
@@ -111,18 +168,14 @@ def main():
     for path in args.models:
         model = load_checkpoint(path, device, tokenizer).eval()
         name = model_name(path)
-        result = {"model": name, "checkpoint": str(path), "seed": SEED, **measure(model, tokenizer, instructions,
-                                                                                 valid_tokens, device)}
-        with atomic(RUNS / "evaluate" / f"{name}.json") as tmp:
+        result = {"model": name, "checkpoint": str(path), "seeds": args.seeds, "valid_windows": args.valid_windows,
+                  **measure(model, tokenizer, instructions, valid_tokens, device, args.seeds, args.valid_windows)}
+        with atomic(RUNS / "evaluate" / f"{saved_name(path)}.json") as tmp:
             tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         rows.append(result)
-        print(f"  {name}: {result['words_used']:.0%} of the words, loss {result['valid_loss']:.2f}, "
-              f"{result['ended']:.0%} ended")
-
-    print(f"\n| model | words used | loss on plain stories | stories that end within {MAX_NEW_TOKENS} tokens |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['model']} | {r['words_used']:.0%} | {r['valid_loss']:.2f} | {r['ended']:.0%} |")
+        print(f"  {name}: {spread(result['words_used_by_seed'])} of the words, loss {result['valid_loss']:.2f}, "
+              f"{result['ended']:.0%} ended", flush=True)
+    print("\n" + table(rows))
     print(f"\nsaved in {RUNS / 'evaluate'}/")
 
 

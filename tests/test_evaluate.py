@@ -51,6 +51,23 @@ def test_model_names(path, name):
     assert model_name(path) == name
 
 
+@pytest.mark.parametrize("path, name", [
+    ("checkpoints/ppo/kl-0.05/rollout-10.pt", "ppo-kl-0.05-rollout-10"),
+    ("checkpoints/grpo/kl-0.05/rollout-10.pt", "grpo-kl-0.05-rollout-10"),
+    ("checkpoints/grpo/kl-0.05", "grpo-kl-0.05"),
+    ("checkpoints/finetune/model.pt", "finetune"),
+    ("old/checkpoints/finetune", "finetune"),
+    ("mine/finetune", "mine-finetune"),
+])
+def test_saved_results_are_named_after_the_path_so_two_runs_never_collide(path, name):
+    assert evaluate.saved_name(path) == name
+
+
+def test_times_used_counts_every_form_of_a_word():
+    assert evaluate.times_used("Cake! The cakes, and more cake. A cupcake.", "cake") == 3
+    assert evaluate.times_used("It rained and rained; rainbows.", "rain") == 2
+
+
 def test_heldout_instructions_load_and_a_wrong_file_is_refused(workspace, tmp_path):
     instructions = load_instructions(workspace / "heldout.json")
     assert len(instructions) == 50 and sum(len(i["words"]) for i in instructions) == 150
@@ -84,16 +101,20 @@ def test_metrics_of_a_uniform_model_match_a_hand_computation(workspace, uniform_
     result = measure(model, tokenizer, instructions, valid, "cpu")
     assert result["words_used"] == pytest.approx(2 / 3 / 50)
     assert result["ended"] == pytest.approx(2 / 50)
+    assert result["uses_of_a_used_word"] == 1.0
     assert result["valid_loss"] == pytest.approx(math.log(tokenizer.vocab_size), rel=1e-5)
 
 
 def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
-    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune"])
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--seeds", "2"])
     evaluate.main()
     out = capsys.readouterr().out
     assert "| finetune |" in out
     saved = json.loads((workspace / "runs" / "evaluate" / "finetune.json").read_text())
     assert [s["words"] for s in saved["stories"]] == [i["words"] for i in load_instructions()]  # the committed set
     assert all(s["words_used"] == words_used(s["story"], s["words"]) for s in saved["stories"])
-    assert f"| finetune | {saved['words_used']:.0%} | {saved['valid_loss']:.2f} | {saved['ended']:.0%} |" in out
+    by_seed = saved["words_used_by_seed"]
+    assert len(by_seed) == 2 and saved["words_used"] == pytest.approx(sum(by_seed) / 2)
+    assert (f"| finetune | {saved['words_used']:.0%} ({min(by_seed):.0%} to {max(by_seed):.0%}) | "
+            f"{saved['valid_loss']:.2f} | {saved['ended']:.0%} |") in out
