@@ -61,13 +61,19 @@ def words_rate(model, tokenizer, instructions, seed=0):
     return sum(used) / len(used)
 
 
+def target_logprobs(logits, y):
+    """Each target's log-probability under logits, in float32; 0 where the target is -1 (the
+    prompt and the padding)."""
+    # gather needs a valid index everywhere: -1 becomes 0, and the mask then zeroes those.
+    logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logprobs * (y >= 0)
+
+
 def story_logprobs(model, x, y):
     """log p(story | instruction) for each row: the sum of the log-probabilities of the
     targets, where targets of -1 (the prompt and the padding) count for nothing."""
     logits, _ = model(x)
-    # gather needs a valid index everywhere: -1 becomes 0, and the mask then zeroes those.
-    logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (logprobs * (y >= 0)).sum(dim=1)
+    return target_logprobs(logits, y).sum(dim=1)
 
 
 def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=BETA):
