@@ -1,0 +1,151 @@
+"""
+Benchmark: one GRPO rollout at the series size, from a real fine-tuned model. 16 training
+instructions, each written for 8 times (128 stories of up to 200 tokens, temperature 1),
+scored, their old and reference log-probabilities, and the update (2 passes in minibatches
+of 16): the seconds of each part, the median of --repeats rollouts, each with new
+instructions. In the same run, the episode's literal writing, one call of 8 stories for
+each of the 16 instructions, beside grpo.py's one batched pass over all 128: the same
+instructions and the same number of stories, so the ratio holds on any machine.
+
+Also: how far bf16 matrix products move the log-probabilities the ratio and the KL are made
+of, against fp32, on the rollout's own stories.
+
+    python bench/rollout.py                       (about 4 minutes on a 2-core CPU)
+    python bench/rollout.py --precision fp32 --repeats 1
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, peak_memory_mb  # noqa: E402
+from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
+from data import load_tokenizer  # noqa: E402
+from evaluate import words_used  # noqa: E402
+from grpo import GROUP, grpo_loss, group_advantages, rollout  # noqa: E402
+from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
+from ppo import EPOCHS, LR, MINIBATCH, pack, token_logprobs  # noqa: E402
+from preferences import load_asks  # noqa: E402
+from sample import MAX_NEW_TOKENS  # noqa: E402
+from train import optimizer_step  # noqa: E402
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device, work):
+    """What work() returns, and the seconds it took."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = work()
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
+def write_group_by_group(policy, tokenizer, prompts, seed):
+    """The episode's literal loop: one call of 8 stories for each instruction."""
+    generator = torch.Generator(device=prompts[0].device).manual_seed(seed)
+    for prompt in prompts:
+        policy.generate(prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+
+
+def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision):
+    """One rollout of grpo.py, part by part, and the same instructions written group by group."""
+    rng = np.random.default_rng(seed)
+    (prompts, stories, rewards), writing_and_scoring = timed(device, lambda: rollout(policy, tokenizer, asks, rng, seed))
+    texts = [tokenizer.decode(story) for story in stories]
+    _, scoring = timed(device, lambda: [words_used(t, ["cake", "rain", "jump"]) for t in texts])
+    groups = [torch.tensor([prompts[i]], device=device).repeat(GROUP, 1) for i in range(0, len(prompts), GROUP)]
+    _, by_group = timed(device, lambda: write_group_by_group(policy, tokenizer, groups, seed))
+
+    x, y, mask = pack(prompts, stories, tokenizer.eot, device)
+    advantages, _ = group_advantages(torch.tensor(rewards, device=device))
+
+    def old_and_ref():
+        with torch.no_grad(), autocast(device, precision):
+            return token_logprobs(policy, x, y), token_logprobs(reference, x, y)
+
+    (old, ref), logprobs = timed(device, old_and_ref)
+
+    def update():
+        for _ in range(EPOCHS):
+            for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+                with autocast(device, precision):
+                    new = token_logprobs(policy, x[rows], y[rows])
+                loss, _ = grpo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], 0.05)
+                optimizer_step(policy, optimizer, loss, LR)
+
+    _, updating = timed(device, update)
+    written = int(mask.sum())
+    return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
+            "by_group": by_group, "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x)}
+
+
+def precision_drift(policy, tokenizer, asks, device):
+    """On one rollout's stories: bf16 against fp32 log-probabilities of the same weights."""
+    prompts, stories, _ = rollout(policy, tokenizer, asks, np.random.default_rng(99), 99)
+    x, y, mask = pack(prompts, stories, tokenizer.eot, device)
+    with torch.no_grad():
+        exact = token_logprobs(policy, x, y)
+        with autocast(device, "bf16"):
+            rounded = token_logprobs(policy, x, y)
+    r = exact - rounded  # the KL estimate of the bf16 model from the fp32 one
+    return {"mean_abs_per_token": float(((exact - rounded).abs() * mask).sum() / mask.sum()),
+            "ratio_spread": float(((torch.exp(rounded - exact) - 1).abs() * mask).sum() / mask.sum()),
+            "kl_per_story": float(((torch.exp(r) - r - 1) * mask).sum(dim=1).mean())}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", choices=list(DTYPES))
+    parser.add_argument("--device")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    tokenizer = load_tokenizer()
+    policy = load_checkpoint(args.model, device, tokenizer).eval()
+    reference = load_checkpoint(args.model, device, tokenizer, quiet=True).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.0)
+    by_length = load_asks(tokenizer)
+    asks = [ask for length in sorted(by_length) for ask in by_length[length]]
+    print(f"machine: {machine()}; device: {device}; update in {precision}, writing in fp32")
+
+    runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision)
+            for seed in range(args.repeats)]
+    median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
+    peak = matmul_peak(device, DTYPES[precision])
+    update_flops = EPOCHS * median["positions"] * flops_per_token(policy)
+    print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average")
+    print("| part | seconds | share |")
+    print("| --- | --- | --- |")
+    for part in ("writing", "scoring", "logprobs", "update"):
+        print(f"| {part} | {median[part]:.1f} | {median[part] / total:.0%} |")
+    print(f"| whole rollout | {total:.1f} | 100% |")
+    print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
+          f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
+          f"{median['by_group'] / median['writing']:.1f} times faster")
+    print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
+          f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens), "
+          f"{update_flops / median['update'] / peak:.0%} of the {precision} matrix-product peak "
+          f"({peak / 1e12:.2f} TFLOP/s)")
+    print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
+    drift = precision_drift(policy, tokenizer, asks, device)
+    print(f"\nbf16 against fp32, same weights: {drift['mean_abs_per_token']:.4f} nats per token on average, "
+          f"ratios {drift['ratio_spread']:.2%} off 1 on average, KL {drift['kl_per_story']:.4f} per story")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""
+Episode 16, GRPO: reinforcement learning without a critic.
+
+Group relative policy optimisation (Shao and others, DeepSeekMath, 2024) takes PPO's update
+and drops its critic. For each instruction the policy writes a group of GROUP stories, and
+each story's advantage is its reward against its group's: (r - mean) / std over the group,
+shared by every token of the story. The objective is DeepSeekMath's equation 3, with PPO's
+clip (CLIP), epochs, minibatches and learning rate (ppo.py), and a KL penalty per token with
+the estimate e^r - r - 1, r = log p_ref - log p:
+
+    mean over stories i of  1/|o_i| * sum over tokens t of
+        min(ratio_t * A_i, clip(ratio_t, 1 - CLIP, 1 + CLIP) * A_i) - kl * (e^r_t - r_t - 1)
+
+Where this departs from the paper and from the frameworks:
+- DeepSeekMath writes 64 answers per question and makes one update per rollout, so the
+  ratio stays at 1 and the clip never binds; we write 8 stories per instruction and keep
+  PPO's two passes, so the clip acts from the second minibatch on.
+- The loss averages each story's tokens, then the stories (the paper's; TRL's loss_type
+  "grpo"). TRL's default averages over all the tokens of a batch instead ("dapo"), and it
+  flags the per-story mean for its length bias: a long story's tokens each weigh less, so a
+  long bad story is pushed down more gently than a short one. We follow DeepSeekMath, as
+  the episode compares GRPO with the paper's objective; DAPO's token mean is one line away.
+- No dynamic sampling (DAPO): a group whose stories all tie has zero advantages and adds
+  no gradient; we count those groups rather than refill the batch.
+- With --kl 0 there is no penalty (DAPO's choice), but the reference stays, to measure how
+  far the policy drifts.
+- The evaluation each EVAL_EVERY rollouts and the end of a run are PPO's (ppo.evaluate:
+  dpo.words_rate on the held-out instructions and the demo story, written with
+  sample.write; ppo.finish), as is the checkpoint each evaluation saves, with what --resume
+  needs. So are the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO
+  trains at PPO's rate.
+
+    python grpo.py --minutes 10 --kl 0.05
+"""
+import copy
+import json
+import time
+
+import numpy as np
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from data import check_writable, load_tokenizer
+from evaluate import load_instructions, words_used
+from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
+from ppo import (CLIP, EPOCHS, EVAL_EVERY, MINIBATCH, clip_stats, evaluate, finish, pack, parse_rl_args,
+                 resume, rl_parser, rollout_stats, run_name, save_rollout, token_logprobs)
+from preferences import load_asks
+from sample import MAX_NEW_TOKENS, cut_at_end
+from train import optimizer_step
+
+PROMPTS = 16  # instructions per rollout
+GROUP = 8  # stories per instruction: 16 x 8 = 128, as many as a rollout of PPO's
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, asks, rng, seed):
+    """Writes a group of stories for each of 16 instructions: the prompts, the stories'
+    tokens, and their rewards, group after group."""
+    device = next(policy.parameters()).device
+    picked = [asks[i] for i in rng.choice(len(asks), PROMPTS, replace=False)]
+    # A group: one instruction, written for eight times, so its stories can be scored against each other.
+    prompts = [torch.tensor([tokens], device=device).repeat(GROUP, 1) for tokens, _ in picked]
+    # Temperature 1 and no top-k, as in PPO: the update compares probabilities with the full distribution.
+    generator = torch.Generator(device=device).manual_seed(seed)
+    outs = policy.generate(prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+    asked, stories, rewards = [], [], []
+    for (tokens, words), out in zip(picked, outs):
+        # Each row of out is the prompt, then the story: the story is what comes past the prompt.
+        for row in out[:, len(tokens):].tolist():
+            story = cut_at_end(row, tokenizer.eot)  # it keeps its end-of-text: stopping is learned too
+            asked.append(tokens)
+            stories.append(story)
+            rewards.append(words_used(tokenizer.decode(story), words))
+    return asked, stories, rewards
+
+
+def group_advantages(rewards):
+    """One advantage per story, from its group's rewards, with no critic; and which groups tied."""
+    # In place of a critic: each story's reward against its group's, in spreads above the group's mean.
+    groups = rewards.view(-1, GROUP)
+    advantages = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + 1e-4)
+    # A group whose stories all tie has no way to tell them apart, so its advantages are zeros
+    # (rounding in the mean could leave them a hair off).
+    tied = (groups == groups[:, :1]).all(dim=1)
+    advantages = advantages.masked_fill(tied[:, None], 0.0)
+    return advantages.view(-1), tied
+
+
+def grpo_loss(new, old, ref, advantages, mask, kl):
+    """DeepSeekMath's equation 3 on a minibatch, negated; and each token's ratio."""
+    ratio = torch.exp(new - old)
+    A = advantages.unsqueeze(1)  # the story's advantage, on each of its tokens
+    # PPO's clipped objective, and the KL from the reference per token, as in ppo.py.
+    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - CLIP, 1 + CLIP) * A)
+    r = ref - new
+    per_token = (surrogate - kl * (torch.exp(r) - r - 1)) * mask
+    # A mean over each story's tokens, then over the stories, so a story counts once, however long.
+    return -(per_token.sum(dim=1) / mask.sum(dim=1)).mean(), ratio
+
+
+def main():
+    args = parse_rl_args(rl_parser("Train the fine-tuned model with GRPO against the words-used reward."))
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    name = run_name(args)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
+    settings = {**vars(args), "script": "grpo.py", "device": str(device), "precision": precision, "clip": CLIP,
+                "epochs": EPOCHS, "minibatch": MINIBATCH, "prompts": PROMPTS, "group": GROUP,
+                "max_new_tokens": MAX_NEW_TOKENS}
+    print(json.dumps(settings))
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    tokenizer = load_tokenizer()
+
+    # The policy to train, and its frozen copy: the reference the KL is measured from.
+    policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer)
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    # Dropout off, so the probabilities at the update match the rollout's.
+    policy.eval()
+    # The policy's weights alone: there is no critic to train.
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    # A group repeats one instruction, so any length will do: one list of them all.
+    by_length = load_asks(tokenizer)
+    asks = [ask for length in sorted(by_length) for ask in by_length[length]]
+    instructions = load_instructions()
+    folder = CHECKPOINTS / "grpo" / name
+    check_writable(folder, RUNS / "grpo" / name)  # now, not when the first checkpoint is saved
+    rollout_count, seconds = 0, 0.0
+    if args.resume:
+        made_by = resume(folder, policy, optimizer, rng)["made_by"]
+        rollout_count, seconds = made_by["rollout"], made_by["seconds"]
+    writer = SummaryWriter(RUNS / "grpo" / name)
+    writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
+
+    def evaluate_and_save():
+        evaluate(policy, tokenizer, instructions, writer, rollout_count)
+        save_rollout(folder, rollout_count, time.time() - start, policy, tokenizer, optimizer, rng, settings)
+
+    budget, start = args.minutes * 60, time.time() - seconds
+    if not args.resume:
+        evaluate_and_save()  # rollout 0: the fine-tuned model, before any training
+    while time.time() - start < budget and rollout_count < args.rollouts:
+        # 16 groups of 8 stories, packed into one padded batch with a mask over the stories' tokens.
+        prompts, stories, rewards = rollout(policy, tokenizer, asks, rng, seed=args.seed * 100_000 + rollout_count)
+        x, y, mask = pack(prompts, stories, tokenizer.eot, device)
+        rewards = torch.tensor(rewards, device=device)
+        # One advantage per story: each of its tokens is going to share it.
+        advantages, tied = group_advantages(rewards)
+        # With no gradients: the log-probabilities of the policy that wrote the stories, which
+        # the ratio compares against, and the reference's, for the KL. No values: no critic.
+        with torch.no_grad(), autocast(device, precision):
+            old = token_logprobs(policy, x, y)
+            ref = token_logprobs(reference, x, y)
+
+        # The update is PPO's: two passes over the rollout, in shuffled minibatches of 16 stories.
+        stats = []
+        for epoch in range(EPOCHS):
+            for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+                with autocast(device, precision):
+                    new = token_logprobs(policy, x[rows], y[rows])
+                loss, ratio = grpo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], args.kl)
+                # PPO's step: zero the gradients, backward, clip them at 1, and the optimiser's step.
+                optimizer_step(policy, optimizer, loss, args.lr)
+                stats.append(clip_stats(ratio, advantages[rows, None].expand_as(ratio), mask[rows]))
+
+        # How far the policy that wrote this rollout had drifted, as in PPO: KL per story, summed over tokens.
+        r = ref - old
+        drift = float(((torch.exp(r) - r - 1) * mask).sum(dim=1).mean())
+        ties = int(tied.sum())  # groups, of the 16, whose stories all tied
+        rollout_count += 1
+        logged = {"reward": float(rewards.mean()), "kl": drift, "ties": ties, "frac_reward_zero_std": ties / PROMPTS,
+                  **{key: float(np.mean([s[key] for s in stats])) for key in stats[0]},
+                  **rollout_stats(stories, old, mask, tokenizer.eot)}
+        for key, value in logged.items():
+            writer.add_scalar(f"rollout/{key}", value, rollout_count)
+        print(f"rollout {rollout_count}: reward {logged['reward']:.3f}, KL {drift:.2f}, {ties} tied groups, "
+              f"{(time.time() - start) / 60:.1f} min", flush=True)
+        if rollout_count % EVAL_EVERY == 0:
+            evaluate_and_save()
+
+    # The end is PPO's: one more evaluation if the last rollout wasn't followed by one, then the final model.
+    if rollout_count % EVAL_EVERY:
+        evaluate_and_save()
+    finish(folder, rollout_count, time.time() - start, policy, tokenizer, settings, writer)
+
+
+if __name__ == "__main__":
+    main()
