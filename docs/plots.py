@@ -1,5 +1,6 @@
 """
-The docs' plots, drawn from the TensorBoard logs under runs/ into docs/img/.
+The docs' plots, drawn from the TensorBoard logs under runs/ into docs/img/, and the table
+of the RL runs (episodes 8 and 16), printed.
 
     pip install matplotlib && python docs/plots.py
 
@@ -25,6 +26,18 @@ PLOTS = [
      {"words/heldout": "held-out instructions"}),
     ("dpo", "dpo-margin.png", "DPO: reward margin and accuracy on the training pairs", "",
      {"dpo/margin": "reward margin", "dpo/accuracy": "accuracy"}),
+    ("ppo/kl-0.05", "ppo-curves.png", "PPO, KL 0.05: each rollout", "",
+     {"rollout/reward": "reward (share of the words)", "rollout/value_loss": "critic's squared error",
+      "rollout/clip_ratio/region": "tokens where the clip binds"}),
+]
+# The RL runs side by side, rollout by rollout: (file, title, y label, tag, {run: label}).
+RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-1": "GRPO, KL 0.05, seed 1",
+           "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0"}
+COMPARISONS = [
+    ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",
+     "rollout/reward", RL_RUNS),
+    ("rl-kl.png", "KL from the fine-tuned model, per story", "KL per story", "rollout/kl", RL_RUNS),
+    ("rl-heldout.png", "Words used on the 50 held-out instructions", "share of the words", "words/heldout", RL_RUNS),
 ]
 
 
@@ -35,23 +48,49 @@ def scalars(run, tag):
     return [p.step for p in points], [p.value for p in points]
 
 
+def draw(file, title, xlabel, ylabel, lines):
+    """One plot: a line for each (steps, values, label)."""
+    figure, axes = plt.subplots(figsize=(7, 3.6))
+    for steps, values, label in lines:
+        axes.plot(steps, values, label=label, marker="o" if len(steps) < 40 else None, markersize=3)
+    axes.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(IMAGES / file, dpi=110)
+    plt.close(figure)
+    print(f"wrote docs/img/{file}")
+
+
+def rl_table():
+    """The RL runs in figures, printed as markdown: rollouts, the reward over the first and the
+    last five rollouts, the KL per story over the last five, and the share of tied groups."""
+    print("| run | rollouts | reward, first 5 | reward, last 5 | KL per story, last 5 | tied groups |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for run, label in RL_RUNS.items():
+        if not (RUNS / run).exists():
+            continue
+        _, rewards = scalars(run, "rollout/reward")
+        _, kl = scalars(run, "rollout/kl")
+        _, ties = scalars(run, "rollout/frac_reward_zero_std")
+        tied = f"{sum(ties) / len(ties):.0%}" if ties else "(no groups)"
+        print(f"| {label} | {len(rewards)} | {sum(rewards[:5]) / 5:.0%} | {sum(rewards[-5:]) / 5:.0%} | "
+              f"{sum(kl[-5:]) / 5:.1f} | {tied} |")
+
+
 def main():
     IMAGES.mkdir(exist_ok=True)
+    for file, title, ylabel, tag, runs in COMPARISONS:
+        lines = [(*scalars(run, tag), label) for run, label in runs.items() if (RUNS / run).exists()]
+        if lines:
+            draw(file, title, "rollout", ylabel, lines)
     for run, file, title, ylabel, tags in PLOTS:
         if not (RUNS / run).exists():
             print(f"no runs/{run}: skipping {file}")
             continue
-        figure, axes = plt.subplots(figsize=(7, 3.6))
-        for tag, label in tags.items():
-            steps, values = scalars(run, tag)
-            axes.plot(steps, values, label=label, marker="o" if len(steps) < 40 else None, markersize=3)
-        axes.set(title=title, xlabel="step", ylabel=ylabel)
-        axes.grid(alpha=0.3)
-        axes.legend()
-        figure.tight_layout()
-        figure.savefig(IMAGES / file, dpi=110)
-        plt.close(figure)
-        print(f"wrote docs/img/{file}")
+        draw(file, title, "rollout" if "/" in run else "step", ylabel,
+             [(*scalars(run, tag), label) for tag, label in tags.items()])
+    rl_table()
 
 
 if __name__ == "__main__":

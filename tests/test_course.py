@@ -1,0 +1,186 @@
+"""course.py runs the series' commands in order, skips what is done, runs again what was
+interrupted or made from a newer model, and writes the report: all without training, as its runner is replaced by one
+that records each command and writes the file the command would have written."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import course
+
+FULL_COMMANDS = [
+    ["data.py", "--source", "../shared/data/tinystories"],
+    ["train.py", "--minutes", "60", "--device", "cpu"],
+    ["finetune.py", "--minutes", "20", "--device", "cpu"],
+    ["preferences.py", "--instructions", "2000", "--device", "cpu"],
+    ["dpo.py", "--minutes", "10", "--device", "cpu"],
+    ["ppo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
+    ["grpo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
+    ["grpo.py", "--minutes", "10", "--kl", "0", "--device", "cpu"],
+    *[["evaluate.py", model, "--device", "cpu"] for model in
+      ("checkpoints/pretrain", "checkpoints/finetune", "checkpoints/dpo", "checkpoints/ppo/kl-0.05",
+       "checkpoints/grpo/kl-0.05", "checkpoints/grpo/kl-0")],
+    ["docs/plots.py"],
+]
+WORDS_USED = {"pretrain": 0.06, "finetune": 0.27, "dpo": 0.31,
+              "ppo-kl-0.05": 0.45, "grpo-kl-0.05": 0.5, "grpo-kl-0": 0.58}
+
+
+class Scripts:
+    """Stands in for course.run: each command is recorded, and writes its step's output."""
+
+    def __init__(self, monkeypatch, fail_at=None, failure=None):
+        self.commands, self.outputs, self.fail_at, self.failure = [], {}, fail_at, failure
+        real_course = course.course
+
+        def course_and_its_outputs(*args):
+            steps = real_course(*args)
+            self.outputs = {tuple(step.command): step.output for step in steps}
+            return steps
+
+        monkeypatch.setattr(course, "course", course_and_its_outputs)
+        monkeypatch.setattr(course, "run", self.run)
+
+    def run(self, command):
+        self.commands.append(command)
+        output = self.outputs[tuple(command)]
+        if command[0] == "evaluate.py":
+            name = course.model_name(Path(command[1]))
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(json.dumps({
+                "model": name, "words_used": WORDS_USED[name], "valid_loss": 2.4, "ended": 0.5,
+                "words_used_by_seed": [WORDS_USED[name]], "uses_of_a_used_word": 1.5,
+                "stories": [{"words": ["kite", "river", "brave"], "story": f"The {name} story.\n\nThe end.",
+                             "words_used": 1 / 3}]}))
+        elif command[0] == "docs/plots.py":
+            (course.PLOTS / "pretrain-loss.png").write_bytes(b"a plot")
+        else:  # a training script saves its model along the way, before it can be interrupted
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_bytes(b"made")
+        if command[0] == self.fail_at:
+            raise self.failure
+
+
+@pytest.fixture
+def learner(tmp_path, monkeypatch):
+    """An empty folder to run the course in, with the docs' images in img/ (one drawn long ago)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(course, "PLOTS", tmp_path / "img")
+    monkeypatch.setattr(course, "installed", lambda module: True)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "diagram.png").write_bytes(b"an old image")
+    age(tmp_path / "img" / "diagram.png")
+    return tmp_path
+
+
+def age(*files):
+    """Makes files an hour old, older than any the course writes next."""
+    an_hour_ago = time.time() - 3600
+    for file in files:
+        os.utime(file, (an_hour_ago, an_hour_ago))
+
+
+def age_everything(learner):
+    age(*(learner / "checkpoints").rglob("*.pt"), *(learner / "runs").rglob("*.json"), *(learner / "data").iterdir())
+
+
+def take_course(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["course.py", *args])
+    course.main()
+
+
+def test_every_step_runs_in_order_and_the_report_has_the_table_plots_and_stories(learner, monkeypatch):
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--source", "../shared/data/tinystories", "--device", "cpu")
+    assert scripts.commands == FULL_COMMANDS
+
+    report = (learner / "report" / "README.md").read_text()
+    assert "`python course.py --source ../shared/data/tinystories --device cpu` on " in report
+    assert "| pretraining | `python train.py --minutes 60 --device cpu` | 0.0 |" in report
+    assert "| in all | | 0.0 |" in report
+    assert "| ppo-kl-0.05 | 45% | 2.40 | 50% |" in report
+    assert "| grpo-kl-0 | 58% | 2.40 | 50% |" in report
+    assert "![pretrain-loss](../img/pretrain-loss.png)" in report and "diagram" not in report
+    assert "For the first held-out instruction: kite, river, brave." in report
+    assert "**dpo** (33% of the words):\n\n> The dpo story.\n>\n> The end.\n" in report
+
+
+def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, monkeypatch, capsys):
+    (learner / "data").mkdir()
+    (learner / "data" / "valid.bin").write_bytes(b"tokens")
+    (learner / "checkpoints" / "pretrain").mkdir(parents=True)
+    (learner / "checkpoints" / "pretrain" / "model.pt").write_bytes(b"trained by hand")
+    age(learner / "data" / "valid.bin")
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert [c[0] for c in scripts.commands[:2]] == ["finetune.py", "preferences.py"]
+    assert scripts.commands[0] == ["finetune.py", "--minutes", "1.5"]
+    assert ("== data: skipped: data/valid.bin exists\n"
+            "== pretraining: skipped: checkpoints/pretrain/model.pt exists\n") in capsys.readouterr().out
+
+    # The full course afterwards takes the quick one's models, and says so; only the plots are drawn again.
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch)
+    assert scripts.commands == [["docs/plots.py"]]
+    assert ("== fine-tuning: skipped: checkpoints/finetune/model.pt exists, made by python finetune.py --minutes 1.5\n"
+            in capsys.readouterr().out)
+    report = (learner / "report" / "README.md").read_text()
+    assert "| pretraining | `python train.py --minutes 60` | not run by the course |" in report
+    assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
+
+
+def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(learner, monkeypatch):
+    Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    age_everything(learner)
+    (learner / "checkpoints" / "dpo" / "model.pt").touch()  # DPO trained once more, by hand
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert scripts.commands == [["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"], ["docs/plots.py"]]
+
+    age_everything(learner)
+    (learner / "checkpoints" / "finetune" / "model.pt").touch()  # fine-tuning trained once more
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert [c[0] for c in scripts.commands] == ["preferences.py", "dpo.py", "ppo.py", "grpo.py", "grpo.py",
+                                                *["evaluate.py"] * 5, "docs/plots.py"]
+    assert ["evaluate.py", "checkpoints/pretrain", "--valid-windows", "128"] not in scripts.commands
+
+
+def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
+    Scripts(monkeypatch, fail_at="finetune.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    assert (learner / "checkpoints" / "finetune" / "model.pt").exists()  # saved along the way
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert [c[0] for c in scripts.commands[:2]] == ["finetune.py", "preferences.py"]
+
+
+def test_a_failing_step_stops_the_course_with_one_line(learner, monkeypatch):
+    Scripts(monkeypatch, fail_at="dpo.py", failure=subprocess.CalledProcessError(2, "dpo.py"))
+    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --minutes 10; "
+                                         r"once it is fixed, python course.py goes on from there$"):
+        take_course(monkeypatch)
+    assert not (learner / "report").exists()
+
+
+def test_without_matplotlib_the_plots_are_skipped_and_the_report_says_how_to_draw_them(learner, monkeypatch, capsys):
+    monkeypatch.setattr(course, "installed", lambda module: module != "matplotlib")
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["docs/plots.py"] not in scripts.commands
+    assert "== plots: skipped: matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().out
+    assert "None drawn: `pip install matplotlib`, then `python course.py` again." in (
+        learner / "report" / "README.md").read_text()
+
+
+def test_the_real_runner_runs_a_script_of_the_series_with_this_python(monkeypatch):
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda command, check: ran.append((command, check)))
+    course.run(["train.py", "--minutes", "60"])
+    assert ran == [([sys.executable, str(course.ROOT / "train.py"), "--minutes", "60"], True)]

@@ -1,0 +1,97 @@
+"""steps.tsv names commits that exist, once each, and `python tags.py` makes from it, in a
+fresh clone, tags whose scripts compile."""
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+import tags
+
+needs_git = pytest.mark.skipif(not shutil.which("git"), reason="no git on this machine")
+needs_history = pytest.mark.skipif(not (tags.ROOT / ".git").exists() or not shutil.which("git"),
+                                   reason="no .git here (a tarball?) or no git: the tags come from the history")
+
+
+def git(folder, *args):
+    return subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True, text=True).stdout
+
+
+def tags_py(clone, *args):
+    return subprocess.run([sys.executable, "tags.py", *args], cwd=clone, capture_output=True, text=True)
+
+
+@pytest.fixture
+def clone(tmp_path):
+    """A fresh clone of this repository, with this working tree's tags.py and steps.tsv."""
+    folder = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(tags.ROOT), str(folder)], check=True)
+    for name in ("tags.py", "steps.tsv"):
+        shutil.copy(tags.ROOT / name, folder / name)
+    return folder
+
+
+@needs_history
+def test_every_step_names_exactly_one_commit():
+    rows = tags.read_steps()
+    commits, errors = tags.find_commits(rows)
+    assert not errors
+    assert len(commits) == len(rows)
+
+
+@needs_history
+def test_a_clone_gets_every_tag_on_its_commit_and_the_scripts_there_compile(clone):
+    made = tags_py(clone)
+    assert made.returncode == 0, made.stderr
+    assert tags_py(clone).stdout == made.stdout  # a second run makes the same tags
+    assert tags_py(clone, "--check").returncode == 0
+    for tag, subject in tags.read_steps():
+        assert git(clone, "log", "-1", "--format=%s", tag).strip() == subject
+        archive = subprocess.run(["git", "-C", str(clone), "archive", tag], check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as files:
+            scripts = [m for m in files.getmembers() if m.name.endswith(".py")]
+            assert scripts, tag
+            for script in scripts:
+                compile(files.extractfile(script).read(), f"{tag}:{script.name}", "exec")
+
+
+@needs_history
+def test_a_row_without_its_commit_stops_with_one_line_and_tags_nothing(clone):
+    with open(clone / "steps.tsv", "a", encoding="utf-8") as f:
+        f.write("ep99-1-nothing\tEpisode 99, step 1: never committed\n")
+    checked = tags_py(clone, "--check")
+    assert checked.returncode != 0
+    assert checked.stderr == "tags.py: ep99-1-nothing: no commit on this branch with the subject " \
+                             "'Episode 99, step 1: never committed'\n"
+    assert tags_py(clone).returncode != 0
+    assert "ep99-1-nothing" not in git(clone, "tag", "--list")
+
+
+@needs_git
+def test_a_subject_on_two_commits_is_refused(tmp_path, monkeypatch):
+    git(tmp_path, "init", "--quiet")
+    for message in ("Episode 1, step 1: twice", "Episode 1, step 1: twice", "Episode 2: once"):
+        git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+            "commit", "--quiet", "--allow-empty", "-m", message)
+    monkeypatch.setattr(tags, "ROOT", tmp_path)
+    commits, errors = tags.find_commits([("ep1-1-twice", "Episode 1, step 1: twice"), ("ep2-1-once", "Episode 2: once"),
+                                         ("bad..name", "Episode 2: once")])
+    assert list(commits) == ["ep2-1-once"]
+    assert errors == ["ep1-1-twice: 2 commits on this branch with the subject 'Episode 1, step 1: twice'",
+                      "bad..name: not a name git takes for a tag"]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("tag\tcommit subject\nep1-1-stories Episode 1, step 1: no tab\n",
+     "steps.tsv, line 2: expected a tag, a tab and a commit subject"),
+    ("tag\tcommit subject\nep1-1-a\tEpisode 1, step 1: a\nep1-1-a\tEpisode 1, step 2: b\n",
+     "steps.tsv, line 3: ep1-1-a is already on an earlier line"),
+    ("ep1-1-a\tEpisode 1, step 1: a\n", "steps.tsv, line 1: expected the header: tag, a tab, commit subject"),
+])
+def test_a_table_out_of_shape_is_refused_in_one_line(tmp_path, text, error):
+    table = tmp_path / "steps.tsv"
+    table.write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit, match=f"^{error}$"):
+        tags.read_steps(table)
