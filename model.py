@@ -429,8 +429,8 @@ def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
                          f"{Config.context}; make it again with {made_with(file)}")
     if not quiet:
         made_by = checkpoint["made_by"]
-        print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} "
-              f"({made_by.get('script', '?')}, step {made_by.get('step', '?')})")
+        when = f"rollout {made_by['rollout']}" if "rollout" in made_by else f"step {made_by.get('step', '?')}"
+        print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} ({made_by.get('script', '?')}, {when})")
     return model.to(device)
 
 
