@@ -32,7 +32,8 @@ PLOTS = [
 ]
 # The RL runs side by side, rollout by rollout: (file, title, y label, tag, {run: label}).
 RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-1": "GRPO, KL 0.05, seed 1",
-           "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0"}
+           "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0",
+           "grpo/kl-0.05-lr-1e-05": "GRPO, KL 0.05, lr 1e-5"}
 COMPARISONS = [
     ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",
      "rollout/reward", RL_RUNS),
@@ -74,7 +75,7 @@ def rl_table():
         _, kl = scalars(run, "rollout/kl")
         _, ties = scalars(run, "rollout/frac_reward_zero_std")
         tied = f"{sum(ties) / len(ties):.0%}" if ties else "(no groups)"
-        print(f"| {label} | {len(rewards)} | {sum(rewards[:5]) / 5:.0%} | {sum(rewards[-5:]) / 5:.0%} | "
+        print(f"| {label} | {len(rewards)} | {sum(rewards[:5]) / 5:.1%} | {sum(rewards[-5:]) / 5:.1%} | "
               f"{sum(kl[-5:]) / 5:.1f} | {tied} |")
 
 
