@@ -21,8 +21,9 @@ up to noise as large as the differences DPO learns from. Adam, no weight decay, 
 schedule of train.py over --minutes. Every EVAL_EVERY steps, the share of the words it uses
 on the held-out instructions, and its story for DEMO. The final model: checkpoints/dpo/.
 
-Exported for PPO and GRPO: DEMO, the instruction that asks for rain, cake and jump, and
-words_rate(), a story for each held-out instruction and the share of the words they use.
+Exported for PPO and GRPO: DEMO, the instruction that asks for rain, cake and jump;
+words_rate(), a story for each held-out instruction and the share of the words they use;
+and evaluate(), which logs both.
 
     python dpo.py --minutes 10
 """
@@ -59,6 +60,18 @@ def words_rate(model, tokenizer, instructions, seed=0):
     stories = heldout_stories(model, tokenizer, instructions, seed)
     used = [words_used(tokenizer.decode(s), i["words"]) for s, i in zip(stories, instructions)]
     return sum(used) / len(used)
+
+
+def evaluate(model, tokenizer, instructions, writer, step, unit="step"):
+    """The share of the requested words the held-out stories use, and the demo story,
+    logged to TensorBoard at `step` and printed (PPO and GRPO count in rollouts)."""
+    share = words_rate(model, tokenizer, instructions)
+    story = write(model, tokenizer, DEMO, max_new_tokens=120)
+    writer.add_scalar("words/heldout", share, step)
+    writer.add_text("demo", DEMO + story, step)
+    writer.flush()
+    print(f"{unit} {step}: the held-out stories use {share:.0%} of the words")
+    print(textwrap.indent(textwrap.fill(story, 100), "    "), flush=True)
 
 
 def target_logprobs(logits, y):
@@ -126,16 +139,7 @@ def main():
     rng = np.random.default_rng(SEED)
     step = 0
 
-    def evaluate():
-        share = words_rate(policy, tokenizer, instructions)
-        story = write(policy, tokenizer, DEMO, max_new_tokens=120)
-        writer.add_scalar("words/heldout", share, step)
-        writer.add_text("demo", DEMO + story, step)
-        writer.flush()
-        print(f"step {step}: the held-out stories use {share:.0%} of the words")
-        print(textwrap.indent(textwrap.fill(story, 100), "    "))
-
-    evaluate()  # step 0: the fine-tuned model's figures, to compare against
+    evaluate(policy, tokenizer, instructions, writer, step)  # step 0: the fine-tuned model's figures, to compare against
     started, order, position = time.time(), rng.permutation(len(pairs)), 0
     while True:
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
@@ -161,9 +165,9 @@ def main():
         print(f"step {step}: loss {loss.item():.3f}, margin {margins.mean().item():.3f}, "
               f"accuracy {accuracy:.0%}, {(time.time() - started) / 60:.1f} min", flush=True)
         if step % EVAL_EVERY == 0:
-            evaluate()
+            evaluate(policy, tokenizer, instructions, writer, step)
     if step % EVAL_EVERY:  # the final model is measured too
-        evaluate()
+        evaluate(policy, tokenizer, instructions, writer, step)
     writer.close()
     made_by = {"script": "dpo.py", "step": step, "settings": settings, "pairs": made_with}
     save_checkpoint(CHECKPOINTS / "dpo", policy, tokenizer, made_by)

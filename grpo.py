@@ -24,10 +24,10 @@ Where this departs from the paper and from the frameworks:
   no gradient; we count those groups rather than refill the batch.
 - With --kl 0 there is no penalty (DAPO's choice), but the reference stays, to measure how
   far the policy drifts.
-- The evaluation each EVAL_EVERY rollouts and the end of a run are PPO's (ppo.evaluate:
-  dpo.words_rate on the held-out instructions and the demo story, written with
-  sample.write; ppo.finish), as is the checkpoint each evaluation saves, with what --resume
-  needs. So are the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO
+- The evaluation each EVAL_EVERY rollouts and the end of a run are PPO's (its evaluate,
+  DPO's: dpo.words_rate on the held-out instructions and the demo story, written with
+  sample.write; ppo.log_rollout, ppo.finish), as is the checkpoint each evaluation saves,
+  with what --resume needs. So are the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO
   trains at PPO's rate.
 
     python grpo.py --minutes 10 --kl 0.05
@@ -43,8 +43,8 @@ from torch.utils.tensorboard import SummaryWriter
 from data import check_writable, load_tokenizer
 from evaluate import load_instructions, words_used
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
-from ppo import (CLIP, EPOCHS, EVAL_EVERY, MINIBATCH, clip_stats, evaluate, finish, pack, parse_rl_args,
-                 resume, rl_parser, rollout_stats, run_name, save_rollout, token_logprobs)
+from ppo import (CLIP, EPOCHS, EVAL_EVERY, MINIBATCH, clip_stats, evaluate, finish, log_rollout, pack,
+                 parse_rl_args, resume, rl_parser, rollout_stats, run_name, save_rollout, token_logprobs)
 from preferences import load_asks
 from sample import MAX_NEW_TOKENS, cut_at_end
 from train import optimizer_step
@@ -133,7 +133,7 @@ def main():
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
     def evaluate_and_save():
-        evaluate(policy, tokenizer, instructions, writer, rollout_count)
+        evaluate(policy, tokenizer, instructions, writer, rollout_count, unit="rollout")
         save_rollout(folder, rollout_count, time.time() - start, policy, tokenizer, optimizer, rng, settings)
 
     budget, start = args.minutes * 60, time.time() - seconds
@@ -171,17 +171,13 @@ def main():
         logged = {"reward": float(rewards.mean()), "kl": drift, "ties": ties, "frac_reward_zero_std": ties / PROMPTS,
                   **{key: float(np.mean([s[key] for s in stats])) for key in stats[0]},
                   **rollout_stats(stories, old, mask, tokenizer.eot)}
-        for key, value in logged.items():
-            writer.add_scalar(f"rollout/{key}", value, rollout_count)
-        print(f"rollout {rollout_count}: reward {logged['reward']:.3f}, KL {drift:.2f}, {ties} tied groups, "
-              f"{(time.time() - start) / 60:.1f} min", flush=True)
+        log_rollout(writer, rollout_count, logged, f"reward {logged['reward']:.3f}, KL {drift:.2f}, "
+                    f"{ties} tied groups, {(time.time() - start) / 60:.1f} min")
         if rollout_count % EVAL_EVERY == 0:
             evaluate_and_save()
 
     # The end is PPO's: one more evaluation if the last rollout wasn't followed by one, then the final model.
-    if rollout_count % EVAL_EVERY:
-        evaluate_and_save()
-    finish(folder, rollout_count, time.time() - start, policy, tokenizer, settings, writer)
+    finish(folder, rollout_count, start, policy, tokenizer, settings, writer, evaluate_and_save)
 
 
 if __name__ == "__main__":

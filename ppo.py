@@ -35,8 +35,9 @@ Choices of ours, where the usual recipe leaves room:
   faster (model.default_precision), as bench/rollout.py measures.
 
 Exported for GRPO: CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs(); and what both
-scripts do around their loop: rl_parser(), evaluate(), save_rollout(), resume(), finish(),
-and the figures logged under TRL's names, clip_stats() and rollout_stats().
+scripts do around their loop: rl_parser(), save_rollout(), resume(), log_rollout(), finish(),
+and the figures logged under TRL's names, clip_stats() and rollout_stats(). The evaluation is
+DPO's (dpo.evaluate: the held-out words and the demo story), counted in rollouts.
 
     python ppo.py --minutes 10 --kl 0.05
 """
@@ -44,7 +45,6 @@ import argparse
 import copy
 import json
 import math
-import textwrap
 import time
 
 import numpy as np
@@ -53,13 +53,13 @@ import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 
 from data import check_writable, load_tokenizer
-from dpo import DEMO, target_logprobs, words_rate
+from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
 from finetune import collate
 from model import (CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, read_checkpoint,
                    save_checkpoint)
 from preferences import load_asks
-from sample import MAX_NEW_TOKENS, cut_at_end, write
+from sample import MAX_NEW_TOKENS, cut_at_end
 from train import optimizer_step
 
 CLIP = 0.2  # how far one rollout may move a token's probability, as a ratio: 0.8 to 1.2
@@ -182,16 +182,11 @@ def masked_mean(values, mask):
     return float((values * mask).sum() / mask.sum())
 
 
-def evaluate(policy, tokenizer, instructions, writer, rollout):
-    """The share of the requested words the held-out stories use, and the demo story,
-    logged to TensorBoard and printed."""
-    share = words_rate(policy, tokenizer, instructions)
-    story = write(policy, tokenizer, DEMO, max_new_tokens=120)
-    writer.add_scalar("words/heldout", share, rollout)
-    writer.add_text("demo", DEMO + story, rollout)
-    writer.flush()
-    print(f"rollout {rollout}: the held-out stories use {share:.0%} of the words")
-    print(textwrap.indent(textwrap.fill(story, 100), "    "), flush=True)
+def log_rollout(writer, rollout, logged, line):
+    """A rollout's figures, under rollout/ in TensorBoard, and its line in the log."""
+    for key, value in logged.items():
+        writer.add_scalar(f"rollout/{key}", value, rollout)
+    print(f"rollout {rollout}: {line}", flush=True)
 
 
 def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, settings, **state):
@@ -218,9 +213,13 @@ def resume(folder, policy, optimizer, rng):
     return checkpoint
 
 
-def finish(folder, rollout, seconds, policy, tokenizer, settings, writer):
-    """The end of a run: close the writer and save the final model in the run's folder."""
+def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
+    """The end of a run: the final model measured (if the last rollout wasn't), the writer
+    closed, and the model saved in the run's folder."""
+    if rollout % EVAL_EVERY:
+        evaluate_and_save()
     writer.close()
+    seconds = time.time() - start
     made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
     save_checkpoint(folder, policy, tokenizer, made_by)
     print(f"done: {rollout} rollouts, {seconds / 60:.1f} minutes; the model is in {folder}/model.pt")
@@ -265,7 +264,7 @@ def main():
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
     def evaluate_and_save():
-        evaluate(policy, tokenizer, instructions, writer, rollout_count)
+        evaluate(policy, tokenizer, instructions, writer, rollout_count, unit="rollout")
         save_rollout(folder, rollout_count, time.time() - start, policy, tokenizer, optimizer, rng, settings,
                      critic=critic.state_dict())
 
@@ -308,18 +307,14 @@ def main():
         rollout_count += 1
         logged = {"reward": float(R.mean()), "kl": drift, **{k: float(np.mean([s[k] for s in stats])) for k in stats[0]},
                   **rollout_stats(stories, old, mask, tokenizer.eot)}
-        for key, value in logged.items():
-            writer.add_scalar(f"rollout/{key}", value, rollout_count)
-        print(f"rollout {rollout_count}: reward {logged['reward']:.3f}, KL {drift:.2f}, "
-              f"value loss {logged['value_loss']:.4f}, clipped {logged['clip_ratio/region']:.1%}, "
-              f"{logged['completions/mean_length']:.0f} tokens, {(time.time() - start) / 60:.1f} min", flush=True)
+        log_rollout(writer, rollout_count, logged,
+                    f"reward {logged['reward']:.3f}, KL {drift:.2f}, value loss {logged['value_loss']:.4f}, "
+                    f"clipped {logged['clip_ratio/region']:.1%}, {logged['completions/mean_length']:.0f} tokens, "
+                    f"{(time.time() - start) / 60:.1f} min")
         if rollout_count % EVAL_EVERY == 0:
             evaluate_and_save()
-
-    # The final model is measured too, if the last rollout wasn't.
-    if rollout_count % EVAL_EVERY:
-        evaluate_and_save()
-    finish(folder, rollout_count, time.time() - start, policy, tokenizer, settings, writer)
+    # The final model is measured too, if the last rollout wasn't, and saved.
+    finish(folder, rollout_count, start, policy, tokenizer, settings, writer, evaluate_and_save)
 
 
 if __name__ == "__main__":
