@@ -14,13 +14,15 @@ a story on its own. Pretraining's optimizer, schedule over --minutes and trainin
 
 Two losses are logged: on instructions held back from training (is it learning the task?)
 and on plain valid stories (does it still write stories? it should stay close to the
-pretrained model's). The final model goes to checkpoints/finetune/.
+pretrained model's). The final model goes to checkpoints/finetune/; with --keep, the model
+of each evaluation stays beside it as step-N.pt, to measure the words used against steps.
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
 example, the padding masked out of the loss.
 
     python finetune.py --minutes 20
+    python finetune.py --minutes 50 --keep
 """
 import json
 import time
@@ -87,7 +89,10 @@ def instruction_loss(model, examples, pad, device, precision):
 
 
 def main():
-    args = parse_training_args(training_parser("Fine-tune the pretrained model on instructions.", minutes=20))
+    parser = training_parser("Fine-tune the pretrained model on instructions.", minutes=20)
+    parser.add_argument("--keep", action="store_true",
+                        help="also keep the model of each evaluation as step-N.pt, for a curve of words used against steps")
+    args = parse_training_args(parser)
     check_writable(CHECKPOINTS / "finetune", RUNS / "finetune")  # now, not when the model is saved
 
     device = pick_device(args.device)
@@ -130,6 +135,8 @@ def main():
         if save:
             made_by = {"script": "finetune.py", "step": step, "losses": losses, "settings": settings}
             save_checkpoint(folder, model, tokenizer, made_by)
+            if args.keep:
+                save_checkpoint(folder / f"step-{step}.pt", model, tokenizer, made_by)
         print(f"step {step}: loss on held-back instructions {losses['instructions']:.3f}, "
               f"on plain stories {losses['plain']:.3f}\n  {EXAMPLE}  {story[:300]}")
 

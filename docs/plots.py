@@ -1,11 +1,13 @@
 """
-The docs' plots, drawn from the TensorBoard logs under runs/ into docs/img/, and the table
-of the RL runs (episodes 8 and 16), printed.
+The docs' plots, drawn from the TensorBoard logs under runs/ and evaluate.py's results in
+runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16), printed.
 
     pip install matplotlib && python docs/plots.py
 
 matplotlib is needed only here, to redraw the plots; the series itself doesn't use it.
 """
+import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -63,6 +65,37 @@ def draw(file, title, xlabel, ylabel, lines):
     print(f"wrote docs/img/{file}")
 
 
+def finetune_curve():
+    """Episode 3: the words used on the held-out instructions against fine-tuning steps, from
+    `python evaluate.py checkpoints/pretrain checkpoints/finetune/step-*.pt --seeds 3`: the
+    mean of the seeds, and the lowest and highest."""
+    points = []
+    for path in (RUNS / "evaluate").glob("*.json"):
+        step = re.fullmatch(r"finetune-step-(\d+)", path.stem) or re.fullmatch(r"pretrain", path.stem)
+        if step:
+            result = json.loads(path.read_text())
+            points.append((int(step.group(1)) if step.groups() else 0, result))
+    if len(points) < 3:
+        print("fewer than 3 fine-tuning steps measured in runs/evaluate: skipping finetune-words.png")
+        return
+    points.sort(key=lambda point: point[0])
+    steps = [step for step, _ in points]
+    seeds = [result["words_used_by_seed"] for _, result in points]
+    figure, (words, loss) = plt.subplots(1, 2, figsize=(9, 3.4))
+    mean = [sum(s) / len(s) for s in seeds]
+    words.errorbar(steps, mean, yerr=[[m - min(s) for m, s in zip(mean, seeds)], [max(s) - m for m, s in zip(mean, seeds)]],
+                   marker="o", markersize=3, capsize=3)
+    words.set(title="Words used, held-out instructions", xlabel="fine-tuning step", ylabel="share of the words")
+    loss.plot(steps, [result["valid_loss"] for _, result in points], marker="o", markersize=3)
+    loss.set(title="Loss on plain valid stories", xlabel="fine-tuning step", ylabel="loss")
+    for axes in (words, loss):
+        axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(IMAGES / "finetune-words.png", dpi=110)
+    plt.close(figure)
+    print("wrote docs/img/finetune-words.png")
+
+
 def rl_table():
     """The RL runs in figures, printed as markdown: rollouts, the reward over the first and the
     last five rollouts, the KL per story over the last five, and the share of tied groups."""
@@ -91,6 +124,7 @@ def main():
             continue
         draw(file, title, "rollout" if "/" in run else "step", ylabel,
              [(*scalars(run, tag), label) for tag, label in tags.items()])
+    finetune_curve()
     rl_table()
 
 

@@ -52,10 +52,15 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert resumed["made_by"]["step"] == 4 and "optimizer" in resumed
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
 
-    run(finetune, monkeypatch, "--steps", "2")
+    # With --keep, each evaluation's model stays as step-N.pt, for the curve of words against steps.
+    monkeypatch.setattr(finetune, "EVAL_EVERY", 1)
+    run(finetune, monkeypatch, "--steps", "2", "--keep")
     assert "(train.py, step 4)" in capsys.readouterr().out  # it loaded the pretrained model
     made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
+    kept = sorted(path.name for path in (learner / "checkpoints" / "finetune").glob("step-*.pt"))
+    assert kept == ["step-1.pt", "step-2.pt"]
+    assert read_checkpoint(learner / "checkpoints" / "finetune" / "step-1.pt")["made_by"]["step"] == 1
     assert set(made_by["losses"]) == {"instructions", "plain"}
     assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
 
