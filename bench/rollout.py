@@ -5,7 +5,8 @@ scored, their old and reference log-probabilities, and the update (2 passes in m
 of 16): the seconds of each part, the median of --repeats rollouts, each with new
 instructions. In the same run, the episode's literal writing, one call of 8 stories for
 each of the 16 instructions, beside grpo.py's one batched pass over all 128: the same
-instructions and the same number of stories, so the ratio holds on any machine.
+instructions and the same number of stories, so the ratio holds on any machine; and the
+batched pass again with its matrix products in bf16, to see whether writing in bf16 pays.
 
 Also: how far bf16 matrix products move the log-probabilities the ratio and the KL are made
 of, against fp32, on the rollout's own stories.
@@ -66,6 +67,12 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     groups = [torch.tensor([prompts[i]], device=device).repeat(GROUP, 1) for i in range(0, len(prompts), GROUP)]
     _, by_group = timed(device, lambda: write_group_by_group(policy, tokenizer, groups, seed))
 
+    def write_in_bf16():
+        with autocast(device, "bf16"):
+            return rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
+
+    (_, bf16_stories, _), bf16_writing = timed(device, write_in_bf16)
+
     x, y, mask = pack(prompts, stories, tokenizer.eot, device)
     advantages, _ = group_advantages(torch.tensor(rewards, device=device))
 
@@ -86,7 +93,8 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     _, updating = timed(device, update)
     written = int(mask.sum())
     return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
-            "by_group": by_group, "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x)}
+            "by_group": by_group, "bf16_writing": bf16_writing, "bf16_tokens": sum(len(s) for s in bf16_stories),
+            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x)}
 
 
 def precision_drift(policy, tokenizer, asks, device):
@@ -137,6 +145,8 @@ def main():
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")
+    print(f"writing in bf16 (the same instructions and draws; its stories differ a little): "
+          f"{median['bf16_tokens'] / median['bf16_writing']:,.0f} generated tokens per second")
     print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
           f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens), "
           f"{update_flops / median['update'] / peak:.0%} of the {precision} matrix-product peak "
