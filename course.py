@@ -39,7 +39,8 @@ PPO = CHECKPOINTS / "ppo" / f"kl-{KL:g}"
 GRPO, GRPO_NO_KL = CHECKPOINTS / "grpo" / f"kl-{KL:g}", CHECKPOINTS / "grpo" / "kl-0"
 MODELS = [CHECKPOINTS / "pretrain", CHECKPOINTS / "finetune", CHECKPOINTS / "dpo", PPO, GRPO, GRPO_NO_KL]
 # Minutes for each training script, and how many training instructions make preference pairs.
-FULL = {"pretrain": 60, "finetune": 20, "instructions": 2000, "dpo": 10, "ppo": 10, "grpo": 10}
+# The full setting measures each model with three seeds of the held-out stories, as the docs do.
+FULL = {"pretrain": 60, "finetune": 20, "instructions": 2000, "dpo": 10, "ppo": 10, "grpo": 10, "seeds": 3}
 # Enough for each script to take some steps and save its model: the whole path works, though
 # the models learn little. The loss on plain stories on 128 windows of them, not all 1,266.
 QUICK = {"pretrain": 3, "finetune": 1.5, "instructions": 64, "dpo": 1, "ppo": 1, "grpo": 1, "valid_windows": 128}
@@ -81,8 +82,9 @@ def course(budget, source=None, device=None):
     # Episode 5's table, one model at a time, so that a model measured once isn't measured again.
     # The quick setting measures the loss on plain stories on a sample of windows, not all of them.
     windows = ["--valid-windows", str(budget["valid_windows"])] if "valid_windows" in budget else []
-    steps += [Step(f"evaluation of {model_name(m)}", ["evaluate.py", str(m), *windows, *device], evaluation(m),
-                   final(m))
+    seeds = ["--seeds", str(budget["seeds"])] if "seeds" in budget else []
+    steps += [Step(f"evaluation of {model_name(m)}", ["evaluate.py", str(m), *seeds, *windows, *device],
+                   evaluation(m), final(m))
               for m in MODELS]
     # The plots are drawn again every time, from whatever runs/ holds now: it takes seconds.
     steps.append(Step("plots", ["docs/plots.py"], needs="matplotlib"))

@@ -21,7 +21,7 @@ FULL_COMMANDS = [
     ["ppo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
     ["grpo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
     ["grpo.py", "--minutes", "10", "--kl", "0", "--device", "cpu"],
-    *[["evaluate.py", model, "--device", "cpu"] for model in
+    *[["evaluate.py", model, "--seeds", "3", "--device", "cpu"] for model in
       ("checkpoints/pretrain", "checkpoints/finetune", "checkpoints/dpo", "checkpoints/ppo/kl-0.05",
        "checkpoints/grpo/kl-0.05", "checkpoints/grpo/kl-0")],
     ["docs/plots.py"],
