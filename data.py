@@ -108,7 +108,7 @@ def atomic(path):
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path)
+        remove_stale(path.parent, f".{path.name}.*.tmp")
         yield temporary
         # On disk before the rename: after a power cut, the old file or the new, never an empty one.
         with open(temporary, "rb+") as file:
@@ -137,11 +137,11 @@ def unwritable(folder, error):
     return f"cannot write in {folder} ({error.strerror}); make it writable, then run the command again"
 
 
-def remove_stale(path):
-    """Removes the temporary files of `path` that saves killed before their rename left
-    behind (a checkpoint's: 175 MB each): those last written before this process started,
-    as a save still running keeps writing to its own."""
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+def remove_stale(folder, pattern):
+    """Removes the temporary files in folder, matching pattern, that saves killed before their
+    rename left behind (a checkpoint's: 175 MB each): those last written before this process
+    started, as a save still running keeps writing to its own."""
+    for stale in Path(folder).glob(pattern):
         try:
             if stale.stat().st_mtime < STARTED:
                 stale.unlink()
@@ -157,6 +157,8 @@ def check_writable(*folders):
         with atomic(probe) as tmp:
             tmp.write_bytes(b"\n")
         probe.unlink(missing_ok=True)
+        # Any file's, too: a killed run's rollout-7.pt may never be saved again to clean its own.
+        remove_stale(folder, ".*.tmp")
 
 
 # ---------------------------------------------------------------- getting the text

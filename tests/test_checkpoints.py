@@ -155,3 +155,14 @@ def test_temporary_files_of_killed_saves_are_removed_and_a_save_is_on_disk_befor
     save_checkpoint(tmp_path / "model.pt", small_model, small_tokenizer, {"script": "test", "step": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "model.pt"]
     assert calls == ["fsync", "replace"]
+
+
+def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_path):
+    # A run killed while saving rollout-7.pt, resumed from rollout-0.pt: nothing saves rollout-7.pt again.
+    stale, running = tmp_path / ".rollout-7.pt.99999.tmp", tmp_path / ".rollout-9.pt.88888.tmp"
+    stale.write_bytes(b"half of a checkpoint, from a run killed yesterday")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    running.write_bytes(b"a save that another run is writing now")
+    check_writable(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [running.name]
