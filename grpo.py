@@ -24,11 +24,12 @@ Where this departs from the paper and from the frameworks:
   no gradient; we count those groups rather than refill the batch.
 - With --kl 0 there is no penalty (DAPO's choice), but the reference stays, to measure how
   far the policy drifts.
-- The evaluation each EVAL_EVERY rollouts and the end of a run are PPO's (its evaluate,
-  DPO's: dpo.words_rate on the held-out instructions and the demo story, written with
-  sample.write; ppo.log_rollout, ppo.finish), as is the checkpoint each evaluation saves,
-  with what --resume needs. So are the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO
-  trains at PPO's rate.
+- The evaluation each EVAL_EVERY rollouts, the log of each rollout and the end of a run
+  are PPO's: evaluate (DPO's, which PPO uses too: dpo.words_rate on the held-out
+  instructions and the demo story, written with sample.write), ppo.log_rollout and
+  ppo.finish; so is the checkpoint each evaluation saves, with what --resume needs. So are
+  the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO trains at
+  PPO's rate.
 
     python grpo.py --minutes 10 --kl 0.05
 """

@@ -141,6 +141,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
     args = parser.parse_args()
+    if args.kills < 1:
+        parser.error("--kills must be at least 1")
     rng = random.Random(args.seed)
     print(f"machine: {machine()}")
     results = []
