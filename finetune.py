@@ -17,12 +17,19 @@ and on plain valid stories (does it still write stories? it should stay close to
 pretrained model's). The final model goes to checkpoints/finetune/; with --keep, the model
 of each evaluation stays beside it as step-N.pt, to measure the words used against steps.
 
+The levers of episode 3's step 4, each off by default and each run in its own folder
+(checkpoints/finetune-lr-0.001, finetune-asks-3, finetune-plain-0.25): --lr, the peak
+learning rate; --asks N, each story asked for N sets of words on each pass; --plain-share,
+a share of each batch given to plain pretraining stories, as a replay that should keep the
+loss on plain stories where it was.
+
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
 example, the padding masked out of the loss.
 
     python finetune.py --minutes 20
     python finetune.py --minutes 50 --keep
+    python finetune.py --minutes 20 --lr 1e-3
 """
 import json
 import time
@@ -31,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, SEED, ask, askable_words, check_writable, instruction, load_tokenizer, read_instructions
+from data import DATA, SEED, ask, askable_words, check_writable, instruction, load_tokenizer, read_instructions, stories
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
@@ -54,10 +61,22 @@ def encode_example(tokenizer, example):
     return tokens[:MAX_LENGTH], len(prompt)
 
 
-def ask_anew(tokenizer, stories, askable, epoch):
-    """Each story asked for three words it uses, drawn anew for each pass over the stories
-    (the first pass asks for the words of data/instructions.jsonl)."""
-    return [encode_example(tokenizer, ask(story, askable, seed=SEED + epoch)) for story in stories]
+def ask_anew(tokenizer, stories, askable, epoch, asks=1):
+    """Each story asked asks times for three words it uses, drawn anew for each pass over the
+    stories (the first ask of the first pass is for the words of data/instructions.jsonl)."""
+    return [encode_example(tokenizer, ask(story, askable, seed=SEED + epoch * asks + k))
+            for story in stories for k in range(asks)]
+
+
+def encode_plain(tokenizer, story):
+    """A plain story as an example: an end-of-text for its prompt, as in pretraining."""
+    return encode_example(tokenizer, {"instruction": "", "story": story})
+
+
+def run_name(args):
+    """The run's folder: finetune, or finetune-lr-0.001 (-asks-3, -plain-0.25) with a lever."""
+    return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
+            + (f"-plain-{args.plain_share:g}" if args.plain_share else ""))
 
 
 def collate(examples, pad, device):
@@ -92,18 +111,26 @@ def main():
     parser = training_parser("Fine-tune the pretrained model on instructions.", minutes=20)
     parser.add_argument("--keep", action="store_true",
                         help="also keep the model of each evaluation as step-N.pt, for a curve of words used against steps")
+    parser.add_argument("--lr", type=float, default=LR, help=f"the peak learning rate (default {LR:g})")
+    parser.add_argument("--asks", type=int, default=1, help="sets of words each story is asked for on each pass (default 1)")
+    parser.add_argument("--plain-share", type=float, default=0.0,
+                        help="the share of each batch given to plain pretraining stories (default 0)")
     args = parse_training_args(parser)
-    check_writable(CHECKPOINTS / "finetune", RUNS / "finetune")  # now, not when the model is saved
+    if not (0 < args.lr < 1 and args.asks >= 1 and 0 <= args.plain_share < 1):
+        parser.error("--lr and --plain-share must be between 0 and 1, --asks at least 1")
+    name = run_name(args)
+    folder = CHECKPOINTS / name
+    check_writable(folder, RUNS / name)  # now, not when the model is saved
 
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH,
-                "max_length": MAX_LENGTH, "lr": LR, "min_lr": MIN_LR, "warmup": WARMUP, "seed": SEED}
+                "max_length": MAX_LENGTH, "min_lr": MIN_LR, "warmup": WARMUP, "seed": SEED}
     print(json.dumps(settings))
     tokenizer = load_tokenizer()
     torch.manual_seed(SEED)
     model = load_checkpoint(CHECKPOINTS / "pretrain", device, tokenizer)
-    optimizer = make_optimizer(model, LR)
+    optimizer = make_optimizer(model, args.lr)
 
     # Shuffle once with the seed; the last HELD_BACK examples measure the instruction loss.
     rng = np.random.default_rng(SEED)
@@ -111,17 +138,21 @@ def main():
     if len(instructions) < HELD_BACK + BATCH:
         raise SystemExit(f"{len(instructions)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
     order = rng.permutation(len(instructions))
-    stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
+    tune_stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
     held_back = [encode_example(tokenizer, instructions[i]) for i in order[-HELD_BACK:]]
     askable = askable_words(DATA / "train.txt")
-    epoch, train_examples = 0, ask_anew(tokenizer, stories, askable, 0)
+    epoch, train_examples = 0, ask_anew(tokenizer, tune_stories, askable, 0, args.asks)
+    rng.shuffle(train_examples)  # with --asks, a story's asks in different batches from the first pass
+    plain_rows = round(args.plain_share * BATCH)
+    asked_rows = BATCH - plain_rows
+    plain = [encode_plain(tokenizer, story) for story in stories(DATA / "train.txt")] if plain_rows else []
     cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in train_examples + held_back)
-    print(f"{len(instructions):,} instructions; {cut:,} are longer than {MAX_LENGTH} tokens and cut there")
+    print(f"{len(instructions):,} instructions: {len(train_examples):,} training examples a pass, {len(held_back)} held back; "
+          f"{cut:,} of these examples are longer than {MAX_LENGTH} tokens and cut there")
     valid_tokens = load_tokens("valid")
     pad = tokenizer.eot  # any token: padding is never a target
-    writer = SummaryWriter(RUNS / "finetune")
+    writer = SummaryWriter(RUNS / name)
     writer.add_text("settings", json.dumps(settings, indent=1), 0)
-    folder = CHECKPOINTS / "finetune"
     step = 0
 
     def evaluate_and_save(save=True):
@@ -149,15 +180,18 @@ def main():
             break
         # Go through the stories in a new order each epoch, each asked for three other words it
         # uses: the words must be read from the instruction, as no story comes with the same ones twice.
-        if position + BATCH > len(train_examples):
+        if position + asked_rows > len(train_examples):
             epoch += 1
-            train_examples = ask_anew(tokenizer, stories, askable, epoch)
+            train_examples = ask_anew(tokenizer, tune_stories, askable, epoch, args.asks)
             rng.shuffle(train_examples)
             position = 0
-        x, y = collate(train_examples[position:position + BATCH], pad, device)
-        position += BATCH
+        batch = train_examples[position:position + asked_rows]
+        position += asked_rows
+        # With --plain-share, plain stories the model pretrained on fill the rest of the batch.
+        batch += [plain[i] for i in rng.choice(len(plain), plain_rows)] if plain_rows else []
+        x, y = collate(batch, pad, device)
         # The loss on the stories' tokens only, and the update it asks for.
-        lr = learning_rate(step, progress, LR, MIN_LR, WARMUP)
+        lr = learning_rate(step, progress, args.lr, MIN_LR, WARMUP)
         loss = train_step(model, optimizer, x, y, device, precision, lr)
         step += 1
         if step % 10 == 0:

@@ -1,3 +1,4 @@
+import argparse
 import json
 
 import numpy as np
@@ -55,3 +56,31 @@ def test_each_pass_asks_each_story_for_words_it_uses_drawn_anew(workspace):
     for prompt, story in zip(prompts, stories):
         words = prompt.removeprefix("Write a story that uses the words ").rstrip(".\n").replace(" and", ",").split(", ")
         assert len(words) == 3 and all(word in story for word in words)
+
+
+def test_several_asks_give_each_story_other_words_on_one_pass(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    instructions = read_instructions(workspace / "data" / "instructions.jsonl")[:40]
+    stories = [i["story"] for i in instructions]
+    askable = askable_words(workspace / "data" / "train.txt")
+    asked = finetune.ask_anew(tokenizer, stories, askable, 0, asks=2)
+    assert len(asked) == 80
+    assert asked[::2] == finetune.ask_anew(tokenizer, stories, askable, 0)  # the first ask is the file's
+    assert sum(first != second for first, second in zip(asked[::2], asked[1::2])) > 20
+
+
+def test_a_plain_story_is_predicted_from_an_end_of_text(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    story = read_instructions(workspace / "data" / "instructions.jsonl")[0]["story"]
+    tokens, prompt_length = finetune.encode_plain(tokenizer, story)
+    assert tokens == [tokenizer.eot] + tokenizer.encode(story) + [tokenizer.eot] and prompt_length == 1
+    _, y = finetune.collate([(tokens, prompt_length)], tokenizer.eot, "cpu")
+    assert y[0].tolist() == tokens[1:]  # every token of the story is a target
+
+
+def test_each_lever_names_its_own_folder():
+    def name(lr=finetune.LR, asks=1, plain_share=0.0):
+        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share))
+    assert name() == "finetune"
+    assert [name(lr=1e-3), name(asks=3), name(plain_share=0.25)] == ["finetune-lr-0.001", "finetune-asks-3",
+                                                                     "finetune-plain-0.25"]

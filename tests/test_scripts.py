@@ -64,6 +64,19 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert set(made_by["losses"]) == {"instructions", "plain"}
     assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
 
+    # A lever's run goes to its own folder; with --plain-share 0.5, half of each batch is plain
+    # stories (an end-of-text for their prompt), the other half instructions.
+    real_collate, batches = finetune.collate, []
+    monkeypatch.setattr(finetune, "collate", lambda batch, *args: batches.append(batch) or real_collate(batch, *args))
+    run(finetune, monkeypatch, "--steps", "2", "--lr", "1e-3", "--asks", "2", "--plain-share", "0.5")
+    lever = read_checkpoint(learner / "checkpoints" / "finetune-lr-0.001-asks-2-plain-0.5")["made_by"]
+    assert lever["step"] == 2 and lever["settings"]["lr"] == 1e-3 and lever["settings"]["asks"] == 2
+    trained = [batch for batch in batches if len(batch) == finetune.BATCH and batch[-1][1] == 1]
+    assert len(trained) == 2
+    assert all([length == 1 for _, length in batch] == [False] * 8 + [True] * 8 for batch in trained)
+    assert read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]["settings"]["lr"] == finetune.LR
+    assert (learner / "runs" / "finetune-lr-0.001-asks-2-plain-0.5").exists()
+
 
 @pytest.mark.parametrize("script", [train, finetune, dpo])
 def test_a_full_disk_stops_training_before_it_starts(script, learner, monkeypatch):
