@@ -116,8 +116,10 @@ def main():
     parser.add_argument("--plain-share", type=float, default=0.0,
                         help="the share of each batch given to plain pretraining stories (default 0)")
     args = parse_training_args(parser)
-    if not (0 < args.lr < 1 and args.asks >= 1 and 0 <= args.plain_share < 1):
-        parser.error("--lr and --plain-share must be between 0 and 1, --asks at least 1")
+    plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
+    if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)):
+        parser.error(f"--lr must be between 0 and 1, --asks at least 1, and --plain-share 0 or a share that leaves "
+                     f"at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name
     check_writable(folder, RUNS / name)  # now, not when the model is saved
@@ -143,7 +145,6 @@ def main():
     askable = askable_words(DATA / "train.txt")
     epoch, train_examples = 0, ask_anew(tokenizer, tune_stories, askable, 0, args.asks)
     rng.shuffle(train_examples)  # with --asks, a story's asks in different batches from the first pass
-    plain_rows = round(args.plain_share * BATCH)
     asked_rows = BATCH - plain_rows
     plain = [encode_plain(tokenizer, story) for story in stories(DATA / "train.txt")] if plain_rows else []
     cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in train_examples + held_back)

@@ -87,3 +87,11 @@ def test_a_full_disk_stops_training_before_it_starts(script, learner, monkeypatc
     monkeypatch.setattr(script, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
     with pytest.raises(SystemExit, match="no space left on the disk for checkpoints"):
         run(script, monkeypatch, "--steps", "2")
+
+
+@pytest.mark.parametrize("args", [["--lr", "0"], ["--asks", "0"], ["--plain-share", "0.01"], ["--plain-share", "0.99"]])
+def test_a_lever_out_of_range_gets_one_line(args, learner, monkeypatch, capsys):
+    monkeypatch.setattr(finetune, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
+    with pytest.raises(SystemExit):
+        run(finetune, monkeypatch, *args)
+    assert args[0] in capsys.readouterr().err
