@@ -61,11 +61,11 @@ def encode_example(tokenizer, example):
     return tokens[:MAX_LENGTH], len(prompt)
 
 
-def ask_anew(tokenizer, stories, askable, epoch, asks=1):
+def ask_anew(tokenizer, tune_stories, askable, epoch, asks=1):
     """Each story asked asks times for three words it uses, drawn anew for each pass over the
     stories (the first ask of the first pass is for the words of data/instructions.jsonl)."""
     return [encode_example(tokenizer, ask(story, askable, seed=SEED + epoch * asks + k))
-            for story in stories for k in range(asks)]
+            for story in tune_stories for k in range(asks)]
 
 
 def encode_plain(tokenizer, story):
