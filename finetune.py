@@ -9,19 +9,21 @@ add nothing to the loss). Each pass over the stories asks each of them for three
 it uses, drawn anew (the first pass asks for the file's words), so the words can only be
 read from the instruction, never recalled with the story. The loss counts only the story's tokens and
 its end-of-text, so the model learns to answer instructions, not to write them, and to end
-a story on its own. Pretraining's optimizer, schedule over --minutes and training step
-(train.py), with a smaller learning rate, as the model should keep what it knows.
+a story on its own. Pretraining's optimizer, schedule over --minutes, training step and
+peak learning rate (train.py); a quarter of each batch is plain pretraining stories, a
+replay that keeps the model writing stories as it did while it learns the instructions
+(step 4 found the larger rate alone loses that, and the replay pays it back).
 
 Two losses are logged: on instructions held back from training (is it learning the task?)
 and on plain valid stories (does it still write stories? it should stay close to the
 pretrained model's). The final model goes to checkpoints/finetune/; with --keep, the model
 of each evaluation stays beside it as step-N.pt, to measure the words used against steps.
 
-The levers of episode 3's step 4, each off by default and each run in its own folder
-(checkpoints/finetune-lr-0.001, finetune-asks-3, finetune-plain-0.25): --lr, the peak
-learning rate; --asks N, each story asked for N sets of words on each pass; --plain-share,
-a share of each batch given to plain pretraining stories, as a replay that should keep the
-loss on plain stories where it was.
+The levers of episode 3's step 4, each run in a folder named after what it changes
+(checkpoints/finetune-lr-0.0003-plain-0, finetune-asks-3, finetune-plain-0): --lr, the
+peak learning rate; --asks N, each story asked for N sets of words on each pass;
+--plain-share, the share of each batch given to plain stories. Step 5 made the best of
+them, --lr 1e-3 --plain-share 0.25, the default.
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
@@ -29,7 +31,7 @@ example, the padding masked out of the loss.
 
     python finetune.py --minutes 20
     python finetune.py --minutes 50 --keep
-    python finetune.py --minutes 20 --lr 1e-3
+    python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
 """
 import json
 import time
@@ -46,7 +48,8 @@ from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimi
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
-LR = 3e-4  # the peak, a third of pretraining's
+LR = 1e-3  # the peak, pretraining's: step 4 found a third of it too timid
+PLAIN_SHARE = 0.25  # of each batch: plain stories, the replay that keeps the loss on plain stories
 MIN_LR = 3e-5
 WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
@@ -74,9 +77,9 @@ def encode_plain(tokenizer, story):
 
 
 def run_name(args):
-    """The run's folder: finetune, or finetune-lr-0.001 (-asks-3, -plain-0.25) with a lever."""
+    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0) with a lever off its default."""
     return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
-            + (f"-plain-{args.plain_share:g}" if args.plain_share else ""))
+            + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else ""))
 
 
 def collate(examples, pad, device):
@@ -113,8 +116,8 @@ def main():
                         help="also keep the model of each evaluation as step-N.pt, for a curve of words used against steps")
     parser.add_argument("--lr", type=float, default=LR, help=f"the peak learning rate (default {LR:g})")
     parser.add_argument("--asks", type=int, default=1, help="sets of words each story is asked for on each pass (default 1)")
-    parser.add_argument("--plain-share", type=float, default=0.0,
-                        help="the share of each batch given to plain pretraining stories (default 0)")
+    parser.add_argument("--plain-share", type=float, default=PLAIN_SHARE,
+                        help=f"the share of each batch given to plain pretraining stories (default {PLAIN_SHARE:g})")
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)):
@@ -188,7 +191,7 @@ def main():
             position = 0
         batch = train_examples[position:position + asked_rows]
         position += asked_rows
-        # With --plain-share, plain stories the model pretrained on fill the rest of the batch.
+        # Plain stories the model pretrained on fill the rest of the batch (none with --plain-share 0).
         batch += [plain[i] for i in rng.choice(len(plain), plain_rows)] if plain_rows else []
         x, y = collate(batch, pad, device)
         # The loss on the stories' tokens only, and the update it asks for.

@@ -79,8 +79,8 @@ def test_a_plain_story_is_predicted_from_an_end_of_text(workspace):
 
 
 def test_each_lever_names_its_own_folder():
-    def name(lr=finetune.LR, asks=1, plain_share=0.0):
+    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE):
         return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share))
     assert name() == "finetune"
-    assert [name(lr=1e-3), name(asks=3), name(plain_share=0.25)] == ["finetune-lr-0.001", "finetune-asks-3",
-                                                                     "finetune-plain-0.25"]
+    assert [name(lr=3e-4), name(asks=3), name(plain_share=0)] == ["finetune-lr-0.0003", "finetune-asks-3",
+                                                                  "finetune-plain-0"]

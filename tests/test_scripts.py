@@ -53,29 +53,36 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
 
     # With --keep, each evaluation's model stays as step-N.pt, for the curve of words against steps.
+    # By default a quarter of each batch is plain stories (an end-of-text for their prompt).
     monkeypatch.setattr(finetune, "EVAL_EVERY", 1)
+    real_step, targets = finetune.train_step, []
+    monkeypatch.setattr(finetune, "train_step", lambda model, optimizer, x, y, *args: targets.append(y)
+                        or real_step(model, optimizer, x, y, *args))
     run(finetune, monkeypatch, "--steps", "2", "--keep")
     assert "(train.py, step 4)" in capsys.readouterr().out  # it loaded the pretrained model
     made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
+    assert made_by["settings"]["lr"] == finetune.LR and made_by["settings"]["plain_share"] == finetune.PLAIN_SHARE
     kept = sorted(path.name for path in (learner / "checkpoints" / "finetune").glob("step-*.pt"))
     assert kept == ["step-1.pt", "step-2.pt"]
     assert read_checkpoint(learner / "checkpoints" / "finetune" / "step-1.pt")["made_by"]["step"] == 1
     assert set(made_by["losses"]) == {"instructions", "plain"}
     assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
+    assert [plain_rows(y) for y in targets] == [[False] * 12 + [True] * 4] * 2
 
-    # A lever's run goes to its own folder; with --plain-share 0.5, half of each batch is plain
-    # stories (an end-of-text for their prompt), the other half instructions.
-    real_collate, batches = finetune.collate, []
-    monkeypatch.setattr(finetune, "collate", lambda batch, *args: batches.append(batch) or real_collate(batch, *args))
-    run(finetune, monkeypatch, "--steps", "2", "--lr", "1e-3", "--asks", "2", "--plain-share", "0.5")
-    lever = read_checkpoint(learner / "checkpoints" / "finetune-lr-0.001-asks-2-plain-0.5")["made_by"]
-    assert lever["step"] == 2 and lever["settings"]["lr"] == 1e-3 and lever["settings"]["asks"] == 2
-    trained = [batch for batch in batches if len(batch) == finetune.BATCH and batch[-1][1] == 1]
-    assert len(trained) == 2
-    assert all([length == 1 for _, length in batch] == [False] * 8 + [True] * 8 for batch in trained)
-    assert read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]["settings"]["lr"] == finetune.LR
-    assert (learner / "runs" / "finetune-lr-0.001-asks-2-plain-0.5").exists()
+    # A lever's run goes to its own folder; with --plain-share 0, every example is an instruction.
+    targets.clear()
+    run(finetune, monkeypatch, "--steps", "2", "--lr", "3e-4", "--asks", "2", "--plain-share", "0")
+    lever = read_checkpoint(learner / "checkpoints" / "finetune-lr-0.0003-asks-2-plain-0")["made_by"]
+    assert lever["step"] == 2 and lever["settings"]["lr"] == 3e-4 and lever["settings"]["asks"] == 2
+    assert [plain_rows(y) for y in targets] == [[False] * 16] * 2
+    assert read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]["settings"]["lr"] == finetune.LR  # left alone
+    assert (learner / "runs" / "finetune-lr-0.0003-asks-2-plain-0").exists()
+
+
+def plain_rows(targets):
+    """Which rows of a training batch are plain stories: their first token is a target, not a prompt's."""
+    return (targets[:, 0] >= 0).tolist()
 
 
 @pytest.mark.parametrize("script", [train, finetune, dpo])
