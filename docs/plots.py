@@ -35,7 +35,7 @@ PLOTS = [
 # The RL runs side by side, rollout by rollout: (file, title, y label, tag, {run: label}).
 RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-1": "GRPO, KL 0.05, seed 1",
            "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0",
-           "grpo/kl-0.05-lr-1e-05": "GRPO, KL 0.05, lr 1e-5"}
+           "grpo/kl-0-seed-1": "GRPO, KL 0, seed 1", "grpo/kl-0.05-lr-1e-05": "GRPO, KL 0.05, lr 1e-5"}
 COMPARISONS = [
     ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",
      "rollout/reward", RL_RUNS),
