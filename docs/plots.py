@@ -86,7 +86,11 @@ def finetune_curve():
     words.errorbar(steps, mean, yerr=[[m - min(s) for m, s in zip(mean, seeds)], [max(s) - m for m, s in zip(mean, seeds)]],
                    marker="o", markersize=3, capsize=3)
     words.set(title="Words used, held-out instructions", xlabel="fine-tuning step", ylabel="share of the words")
-    loss.plot(steps, [result["valid_loss"] for _, result in points], marker="o", markersize=3)
+    # The losses only of the models measured on the same windows of plain stories as the steps
+    # (the course measures the pretrained model on all of them, step 3 on 256).
+    windows = points[-1][1]["valid_windows"]
+    same = [(step, result["valid_loss"]) for step, result in points if result["valid_windows"] == windows]
+    loss.plot(*zip(*same), marker="o", markersize=3)
     loss.set(title="Loss on plain valid stories", xlabel="fine-tuning step", ylabel="loss")
     for axes in (words, loss):
         axes.grid(alpha=0.3)
