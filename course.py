@@ -198,7 +198,7 @@ def report(steps, record):
 def main():
     parser = argparse.ArgumentParser(description="The whole course, step by step, then a report in report/README.md.")
     parser.add_argument("--source", help="a local copy of TinyStories for data.py (default: download it)")
-    parser.add_argument("--quick", action="store_true", help="small budgets: about 14 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true", help="small budgets: 14 to 18 minutes on 2 CPU cores")
     parser.add_argument("--device", help="cpu, cuda or mps, for every script (default: the fastest there is)")
     args = parser.parse_args()
 
