@@ -135,22 +135,41 @@ def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_al
             assert torch.equal(out, generate_by_recomputing(model, group, 30))
 
 
+def stopped_by_recomputing(model, prompt, new_tokens, stop):
+    """Greedy writing the slow way, each row on its own: after a row writes stop, only stop."""
+    with torch.no_grad():
+        out = generate_by_recomputing(model, prompt, new_tokens)
+    for row in out[:, prompt.size(1):]:
+        ends = (row == stop).nonzero()
+        if len(ends):
+            row[int(ends[0]) + 1:] = stop
+    return out
+
+
 def test_rows_that_end_leave_the_batch_and_the_others_write_on_unchanged():
     model = tiny_model()
     g = torch.Generator().manual_seed(5)
-    groups = [torch.randint(0, 97, (1, n), generator=g) for n in (3, 7, 4, 5, 6, 8, 2, 9)]
-    free = model.generate(groups, 40, temperature=0)
-    stop = free[0][0, 3 + 2].item()  # the third token the first row writes: it ends early
-    stopped = model.generate(groups, 40, temperature=0, stop=stop)
-    for prompt, alone, out in zip(groups, free, stopped):
-        written = out[0, prompt.size(1):].tolist()
-        end = written.index(stop) + 1 if stop in written else len(written)
-        assert torch.equal(out[0, :prompt.size(1) + end], alone[0, :prompt.size(1) + end])
-        assert all(t == stop for t in written[end:])
+    # As in a rollout: groups that repeat one prompt (GRPO's), groups of different prompts of one
+    # length (PPO's), and single prompts, of several lengths.
+    groups = [torch.randint(0, 97, (1, 3), generator=g).repeat(3, 1), torch.randint(0, 97, (4, 7), generator=g),
+              torch.randint(0, 97, (1, 4), generator=g), torch.randint(0, 97, (3, 5), generator=g),
+              torch.randint(0, 97, (1, 6), generator=g).repeat(2, 1)]
+    free = model.generate(groups, 20, temperature=0)
+    stop = free[0][0, 3 + 2].item()  # the third token the first group writes: it ends early
+    stopped = model.generate(groups, 20, temperature=0, stop=stop)
+    ended_at = []
+    for group, out in zip(groups, stopped):
+        # Each group as it writes alone, and each row as the whole prefix again for every token gives it.
+        alone = model.generate(group, 20, temperature=0, stop=stop)  # ends once its own rows have
+        assert torch.equal(out[:, :alone.size(1)], alone) and torch.all(out[:, alone.size(1):] == stop)
+        assert torch.equal(out, stopped_by_recomputing(model, group, out.size(1) - group.size(1), stop))
+        ended_at += [row.tolist().index(stop) if stop in row else None for row in out[:, group.size(1):]]
+    assert None in ended_at and len({at for at in ended_at if at is not None}) > 1  # rows ended at several steps
     calls = []
     model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    model.generate(groups, 40, temperature=0, stop=stop)
-    assert min(calls[len(groups):]) < len(groups)  # a row that ended stopped costing a step
+    model.generate(groups, 20, temperature=0, stop=stop)
+    rows = sum(len(group) for group in groups)
+    assert min(calls[len(groups):]) < rows  # rows that ended stopped costing a step
 
 
 def test_stories_of_a_group_written_with_others_follow_the_model_distribution():

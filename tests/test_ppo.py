@@ -1,10 +1,12 @@
+import math
 import re
 
 import pytest
 import torch
 
+import model as gpt
 import ppo
-from model import GPT, TINY, Config, KVCache, read_checkpoint
+from model import GPT, TINY, Config, autocast, read_checkpoint
 
 
 def tiny_policy(vocab_size=50, seed=0):
@@ -36,46 +38,74 @@ def test_token_logprobs_equal_a_hand_computation():
     assert got[0, :2].tolist() == [0.0, 0.0]
 
 
-def sampled_logprobs(model, prompt, story):
-    """The log-probability of each written token under the distribution it was drawn from,
-    stepping through the KV cache as writing does."""
-    cache = KVCache(model.config, len(prompt) + len(story))
-    logits, _ = model(torch.tensor([prompt]), cache=cache)
-    found = []
-    for token in story:
-        found.append(torch.log_softmax(logits[0, -1], -1)[token].item())
-        logits, _ = model(torch.tensor([[token]]), cache=cache)
-    return found
+def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):
+    """Writes after groups of prompts in one batch, as the rollouts do, and records the
+    log-probability of each drawn token under the distribution it was drawn from: the batched
+    logits model.next_token is given at each step. Returns the stories, cut after their stop,
+    each with its recorded log-probabilities, and how many rows each step had."""
+    real, steps = gpt.next_token, []
+
+    def recording(logits, temperature, top_k, generator):
+        token = real(logits, temperature, top_k, generator)
+        drawn = torch.log_softmax(gpt.sampling_logits(logits, temperature, top_k), -1)
+        steps.append((token.tolist(), drawn.gather(-1, token[:, None]).squeeze(1).tolist()))
+        return token
+
+    monkeypatch.setattr(gpt, "next_token", recording)
+    outs = model.generate(groups, max_new_tokens, stop=stop, generator=torch.Generator().manual_seed(0))
+    written = [row[group.size(1):] for group, out in zip(groups, outs) for row in out.tolist()]
+    # A step's rows are those still in the batch, in order: rows leave only once they have ended.
+    batch, ended, found = list(range(len(written))), set(), [[] for _ in written]
+    for step, (tokens, logprobs) in enumerate(steps):
+        if len(tokens) < len(batch):
+            batch = [row for row in batch if row not in ended]
+        assert len(tokens) == len(batch)
+        for row, token, logprob in zip(batch, tokens, logprobs):
+            if row not in ended:
+                assert written[row][step] == token
+                found[row].append(logprob)
+                if token == stop:
+                    ended.add(row)
+    stories = [w[:w.index(stop) + 1] if stop in w else w for w in written]
+    assert [len(f) for f in found] == [len(s) for s in stories]
+    return stories, found, [len(tokens) for tokens, _ in steps]
 
 
-def test_token_logprobs_of_written_stories_are_those_they_were_sampled_from():
+def test_token_logprobs_of_written_stories_are_those_they_were_sampled_from(monkeypatch):
     model = tiny_policy()
-    prompts = [[0, 3, 4, 5], [0, 6]]  # two lengths, each written for three times, in one batch
-    groups = [torch.tensor([p]).repeat(3, 1) for p in prompts]
-    outs = model.generate(groups, 12, stop=0, generator=torch.Generator().manual_seed(0))
-    asked = [p for p in prompts for _ in range(3)]
-    stories = [row[len(p):] for p, out in zip(prompts, outs) for row in out.tolist()]
-    stories = [s[:s.index(0) + 1] if 0 in s else s for s in stories]
-    x, y, mask = ppo.pack(asked, stories, pad=0, device="cpu")
-    with torch.no_grad():
-        packed = ppo.token_logprobs(model, x, y)
-        for row, (prompt, story) in enumerate(zip(asked, stories)):
-            start = len(prompt) - 1
-            assert packed[row, start:start + len(story)].tolist() == pytest.approx(
-                sampled_logprobs(model, prompt, story), abs=1e-5)
-
-
-def test_the_first_minibatch_ratio_is_exactly_one():
-    model = tiny_policy()
-    prompts = [[0, 3 + i % 5] for i in range(32)]
-    stories = [[5 + (i * 7 + j) % 40 for j in range(3 + i % 9)] for i in range(32)]
+    # As in a rollout: groups that repeat one prompt (GRPO's) and a batch of different prompts of
+    # one length (PPO's), of several lengths, in one batch, at temperature 1, rows ending at stop.
+    groups = [torch.tensor([[0, 3, 4, 5]]).repeat(3, 1), torch.tensor([[0, 6]]).repeat(3, 1),
+              torch.tensor([[0, 7, 8], [0, 9, 10], [0, 11, 12]])]
+    stop = 1
+    stories, drawn, batch_sizes = write_and_record(model, groups, 24, stop, monkeypatch)
+    assert min(batch_sizes) < 9 and any(stop not in s for s in stories)  # rows left, others wrote on
+    prompts = [row.tolist() for group in groups for row in group]
     x, y, mask = ppo.pack(prompts, stories, pad=0, device="cpu")
     with torch.no_grad():
-        old = ppo.token_logprobs(model, x, y)  # the whole rollout at once, as the scripts do
-    rows = torch.randperm(32, generator=torch.Generator().manual_seed(0))[:ppo.MINIBATCH]
-    new = ppo.token_logprobs(model, x[rows], y[rows])
-    _, ratio = ppo.ppo_loss(new, old[rows], old[rows], torch.ones_like(new), mask[rows], kl=0.05)
-    assert torch.equal(ratio * mask[rows], mask[rows])
+        packed = ppo.token_logprobs(model, x, y)
+    for row, (prompt, story) in enumerate(zip(prompts, stories)):
+        start = len(prompt) - 1
+        assert packed[row, start:start + len(story)].tolist() == pytest.approx(drawn[row], abs=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_minibatch_ratio_is_exactly_one_as_the_scripts_compute_it(precision):
+    # As in the scripts: a policy with dropout (model.TINY keeps the series' 0.1) in evaluation
+    # mode, the whole rollout's log-probabilities at once, then a minibatch's, each under autocast.
+    model = tiny_policy()
+    assert model.config.dropout > 0 and not model.training
+    rows = ppo.BATCHES * ppo.PER_BATCH
+    prompts = [[0, 3 + i % 5] for i in range(rows)]
+    stories = [[5 + (i * 7 + j) % 40 for j in range(3 + i % 9)] for i in range(rows)]
+    x, y, mask = ppo.pack(prompts, stories, pad=0, device="cpu")
+    with torch.no_grad(), autocast("cpu", precision):
+        old = ppo.token_logprobs(model, x, y)
+    picked = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:ppo.MINIBATCH]
+    with autocast("cpu", precision):
+        new = ppo.token_logprobs(model, x[picked], y[picked])
+    _, ratio = ppo.ppo_loss(new, old[picked], old[picked], torch.ones_like(new), mask[picked], kl=0.05)
+    assert torch.equal(ratio * mask[picked], mask[picked])
 
 
 def test_kl_term_is_zero_when_policy_equals_reference_and_positive_otherwise():
@@ -101,23 +131,79 @@ def test_clip_stops_the_gradient_past_the_band_in_the_advantages_direction():
     assert stats == {"clip_ratio/low": 0.25, "clip_ratio/high": 0.25, "clip_ratio/region": 0.5}
 
 
+def ppo_objective(new, old, ref, advantages, mask, kl, clip=ppo.CLIP):
+    """PPO's loss in plain Python: the clipped objective minus kl times k3 (r = ref - new), at
+    each story token, averaged over all the minibatch's story tokens, and negated."""
+    total, tokens = 0.0, 0
+    for i in range(mask.size(0)):
+        for t in range(mask.size(1)):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(new[i, t].item() - old[i, t].item())
+            a = advantages[i, t].item()
+            r = ref[i, t].item() - new[i, t].item()
+            total += min(ratio * a, max(min(ratio, 1 + clip), 1 - clip) * a) - kl * (math.exp(r) - r - 1)
+            tokens += 1
+    return -total / tokens
+
+
+def test_loss_is_the_token_mean_of_the_clipped_objective_and_k3_on_padded_stories():
+    g = torch.Generator().manual_seed(0)
+    # Four stories of different lengths after prompts of different lengths, padded to 9.
+    lengths, starts = [5, 2, 7, 3], [1, 3, 1, 2]
+    mask = torch.zeros(4, 9)
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        mask[i, start:start + n] = 1
+    # Numbers over the prompts and the padding too: the mask alone must keep them out.
+    old = -torch.rand(4, 9, generator=g) * 3
+    new = (old + torch.randn(4, 9, generator=g) * 0.3).requires_grad_()  # ratios on both sides of the band
+    ref = old + torch.randn(4, 9, generator=g) * 0.5
+    advantages = torch.randn(4, 9, generator=g)  # one per token, as the critic's guesses make them
+    ratio = torch.exp(new - old).detach()
+    story = mask.bool()
+    assert (story & (ratio > 1 + ppo.CLIP) & (advantages > 0)).any()  # the clip binds from above
+    assert (story & (ratio < 1 - ppo.CLIP) & (advantages < 0)).any()  # and from below
+    loss, got_ratio = ppo.ppo_loss(new, old, ref, advantages, mask, kl=0.1)
+    assert loss.item() == pytest.approx(ppo_objective(new, old, ref, advantages, mask, kl=0.1), rel=1e-5)
+    assert torch.allclose(got_ratio.detach(), ratio)
+    loss.backward()
+    assert torch.all(new.grad[~story] == 0) and torch.all(new.grad[story] != 0)
+
+
 def test_the_critic_learns_the_rewards_of_a_fixed_rollout():
     model = tiny_policy()
     critic = torch.nn.Linear(model.config.n_embd, 1)
+    torch.nn.init.zeros_(critic.weight)  # as ppo.py starts it: every guess 0
+    torch.nn.init.zeros_(critic.bias)
     x, y, mask = ppo.pack([[0, 3], [0, 4], [0, 5], [0, 6]], [[7, 8, 9], [10, 11], [12], [13, 14, 15, 16]],
                           pad=0, device="cpu")
     rewards = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])
     with torch.no_grad():
         _, channels = model(x, hidden=True)
     optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-2, weight_decay=0.0)
-    losses = []
-    for _ in range(50):
+    for _ in range(300):
         loss = ppo.value_loss(critic(channels).squeeze(-1), rewards, mask)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] / 10
+    # At every story token, the critic's guess is now that story's reward.
+    values = critic(channels).squeeze(-1).detach()
+    story = mask.bool()
+    errors = (values - rewards[:, None])[story]
+    assert errors.abs().max() < 0.02, errors
+
+
+def test_the_value_loss_is_the_mean_squared_error_over_the_story_tokens():
+    lengths, starts = [5, 2, 7, 3], [1, 3, 1, 2]  # prompts of several lengths, then padding
+    mask = torch.zeros(4, 9)
+    for i, (start, n) in enumerate(zip(starts, lengths)):
+        mask[i, start:start + n] = 1
+    values = torch.randn(4, 9, generator=torch.Generator().manual_seed(0))  # a guess over the padding too
+    rewards = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0])
+    by_hand = [(values[i, t].item() - rewards[i].item()) ** 2
+               for i in range(4) for t in range(9) if mask[i, t]]
+    got = ppo.value_loss(values, rewards, mask)
+    assert got.item() == pytest.approx(sum(by_hand) / sum(lengths), rel=1e-6)
 
 
 def test_hidden_channels_give_the_same_logits():
@@ -133,12 +219,60 @@ def rewards_printed(out):
     return [float(r) for r in re.findall(r"rollout \d+: reward ([0-9.]+)", out)]
 
 
-def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick, capsys):
+def recording_the_update(script, loss_name, monkeypatch):
+    """Wraps a script's loss (ppo_loss or grpo_loss), and for PPO its value_loss, to keep what
+    each update got: the ratios, the mask, each loss, and the loss the optimizer stepped on."""
+    updates, real_loss = [], getattr(script, loss_name)
+
+    def loss(new, old, ref, advantages, mask, kl):
+        policy_loss, ratio = real_loss(new, old, ref, advantages, mask, kl)
+        updates.append({"ratio": ratio.detach(), "mask": mask, "policy_loss": policy_loss.item()})
+        return policy_loss, ratio
+
+    monkeypatch.setattr(script, loss_name, loss)
+    if hasattr(script, "value_loss"):
+        real_value_loss = script.value_loss
+
+        def value_loss(values, rewards, mask):
+            critic_loss = real_value_loss(values, rewards, mask)
+            updates[-1]["critic_loss"] = critic_loss.item()
+            return critic_loss
+
+        monkeypatch.setattr(script, "value_loss", value_loss)
+    real_step = script.optimizer_step
+
+    def optimizer_step(model, optimizer, loss, lr):
+        updates[-1]["stepped_on"] = loss.item()
+        return real_step(model, optimizer, loss, lr)
+
+    monkeypatch.setattr(script, "optimizer_step", optimizer_step)
+    return updates
+
+
+def first_minibatches(updates, stories):
+    """Each rollout's first update (of `stories` stories): its policy is still the one that wrote them."""
+    per_rollout = ppo.EPOCHS * math.ceil(stories / ppo.MINIBATCH)
+    assert len(updates) % per_rollout == 0
+    return updates[::per_rollout]
+
+
+def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick, capsys, monkeypatch):
     quick(ppo)
-    run_main(ppo, "--rollouts", "12", "--kl", "0.05", "--seed", "3", "--lr", "3e-3")
+    updates = recording_the_update(ppo, "ppo_loss", monkeypatch)
+    run_main(ppo, "--rollouts", "12", "--kl", "0.05", "--seed", "3", "--lr", "3e-3",
+             "--device", "cpu", "--precision", "fp32")
     rewards = rewards_printed(capsys.readouterr().out)
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
+    # The script's own update: in its first minibatch the ratio is exactly 1 (dropout off, the
+    # rollout's log-probabilities computed as the update's), and one step takes the policy's
+    # loss plus the critic's at VALUE_WEIGHT.
+    assert len(updates) == 12 * ppo.EPOCHS * ppo.BATCHES * ppo.PER_BATCH // ppo.MINIBATCH
+    for update in first_minibatches(updates, ppo.BATCHES * ppo.PER_BATCH):
+        assert torch.equal(update["ratio"] * update["mask"], update["mask"])
+    for update in updates:
+        assert update["stepped_on"] == pytest.approx(update["policy_loss"] + ppo.VALUE_WEIGHT * update["critic_loss"],
+                                                     rel=1e-5, abs=1e-7)
     folder = workspace / "checkpoints" / "ppo" / "kl-0.05-lr-0.003-seed-3"
     assert {p.name for p in folder.iterdir()} == {"rollout-0.pt", "rollout-10.pt", "rollout-12.pt", "model.pt"}
     assert read_checkpoint(folder / "rollout-10.pt")["made_by"]["rollout"] == 10
