@@ -1,3 +1,4 @@
+import itertools
 import os
 import random
 import re
@@ -13,8 +14,10 @@ import torch
 
 import evaluate
 import grpo
+from data import instruction
 from model import read_checkpoint
-from test_ppo import rewards_printed
+from sample import encode_prompt
+from test_ppo import first_minibatches, recording_the_update, rewards_printed
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -82,12 +85,16 @@ def test_with_kl_weight_0_the_reference_does_not_change_the_gradient():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_main, quick, capsys):
+def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_main, quick, capsys, monkeypatch):
     quick(grpo)
-    run_main(grpo, "--rollouts", "12", "--kl", "0.05", "--lr", "3e-3")
+    updates = recording_the_update(grpo, "grpo_loss", monkeypatch)
+    run_main(grpo, "--rollouts", "12", "--kl", "0.05", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
     out = capsys.readouterr().out
     rewards = rewards_printed(out)
     assert len(rewards) == 12 and sum(rewards[-3:]) > sum(rewards[:3]) + 0.15  # it learns the easy reward
+    # Each rollout's first update, by the policy that wrote it: a ratio of exactly 1.
+    for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
+        assert torch.equal(update["ratio"] * update["mask"], update["mask"])
     assert re.search(r"rollout 12: reward [0-9.]+, KL [0-9.]+, \d+ tied groups", out)
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-lr-0.003"
     assert {p.name for p in folder.iterdir()} == {"rollout-0.pt", "rollout-10.pt", "rollout-12.pt", "model.pt"}
@@ -97,11 +104,35 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     assert evaluate.model_name(workspace / "checkpoints" / "grpo" / "kl-0.05") == "grpo-kl-0.05"
 
 
-def test_with_kl_weight_0_the_drift_is_still_measured(workspace, run_main, quick, capsys):
+def test_grpo_raises_the_words_used_reward_on_a_tiny_task(workspace_tokenizer, run_main, monkeypatch, capsys):
+    """The real reward, evaluate.words_used on the decoded stories, where a tiny model can learn
+    it in seconds: every instruction asks for three of four words that the workspace's tokenizer
+    writes as one token each (with its space), so a story of 16 tokens can use them all."""
+    tokenizer = workspace_tokenizer
+    words = ["found", "happy", "look", "near"]
+    assert all(len(tokenizer.encode(f" {word}")) == 1 for word in words)
+    asks = {}
+    for asked in itertools.permutations(words, 3):
+        tokens = encode_prompt(tokenizer, instruction(asked))
+        asks.setdefault(len(tokens), []).append((tokens, list(asked)))
+    monkeypatch.setattr(grpo, "load_asks", lambda tokenizer: asks)
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(evaluate, "MAX_NEW_TOKENS", 16)
+    run_main(grpo, "--rollouts", "12", "--seed", "7", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
+    rewards = rewards_printed(capsys.readouterr().out)
+    # From about 0.03 (the words by chance) to 0.2 and more, over seeds 0, 1, 2 and 7.
+    assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.08
+
+
+def test_with_kl_weight_0_the_drift_is_still_measured(workspace, run_main, quick, monkeypatch):
     quick(grpo)
-    run_main(grpo, "--rollouts", "3", "--kl", "0", "--precision", "fp32", "--lr", "3e-3")
-    drifts = [float(d) for d in re.findall(r"KL ([0-9.]+)", capsys.readouterr().out)]
-    assert drifts[0] == 0 and drifts[-1] > 0.01  # the first rollout is the reference's own
+    logged, real_log = [], grpo.log_rollout
+    monkeypatch.setattr(grpo, "log_rollout", lambda writer, rollout, figures, line: logged.append(figures)
+                        or real_log(writer, rollout, figures, line))
+    run_main(grpo, "--rollouts", "3", "--kl", "0", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3")
+    drifts = [figures["kl"] for figures in logged]  # as logged to TensorBoard, not as printed
+    assert len(drifts) == 3
+    assert drifts[0] == 0.0 and drifts[-1] > 0.01  # the first rollout is the reference's own
 
 
 def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace, run_main, quick, monkeypatch,
@@ -118,30 +149,102 @@ def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace,
 
     monkeypatch.setattr(grpo, "rollout", interrupted_in_the_fourth)
     with pytest.raises(KeyboardInterrupt):
-        run_main(grpo, "--rollouts", "6", "--seed", "5")
+        run_main(grpo, "--rollouts", "6", "--seed", "5", "--device", "cpu", "--precision", "bf16")
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-seed-5"
     assert sorted(p.name for p in folder.iterdir()) == ["rollout-0.pt", "rollout-2.pt"]
     capsys.readouterr()
 
     monkeypatch.setattr(grpo, "rollout", real_rollout)
-    run_main(grpo, "--rollouts", "6", "--seed", "5", "--resume")
+    updates = recording_the_update(grpo, "grpo_loss", monkeypatch)
+    # In bfloat16, as the scripts run where it is faster: the update's first minibatch under
+    # autocast still gives a ratio of exactly 1, after a resume too.
+    run_main(grpo, "--rollouts", "6", "--seed", "5", "--resume", "--device", "cpu", "--precision", "bf16")
     out = capsys.readouterr().out
     assert "resuming" in out and "rollout 2," in out
     assert re.findall(r"rollout (\d+): reward", out) == ["3", "4", "5", "6"]
     assert read_checkpoint(folder)["made_by"]["rollout"] == 6
+    for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
+        assert torch.equal(update["ratio"] * update["mask"], update["mask"])
+
+
+# grpo.py as `python grpo.py ARGS` runs it, with stories of 16 tokens (sooner to its first
+# checkpoint); with SLOW_SAVES set, each checkpoint is written half, then held there for
+# seconds with a sign on disk, so that a kill can land inside a save.
+LAUNCH = """
+import io, os, sys, time
+import torch
+import sample
+sample.MAX_NEW_TOKENS = 16
+if os.environ.get("SLOW_SAVES"):
+    real_save = torch.save
+
+    def slow_save(obj, file, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        file.write(data[:len(data) // 2])
+        file.flush()
+        open(os.environ["SLOW_SAVES"], "w").close()
+        time.sleep(30)
+        file.write(data[len(data) // 2:])
+
+    torch.save = slow_save
+import grpo
+sys.argv = ["grpo.py", *sys.argv[1:]]
+grpo.main()
+"""
+
+
+def start_grpo(folder, **environment):
+    options = ["--minutes", "5", "--device", "cpu", "--precision", "fp32"]
+    with open(folder / "errors.txt", "w") as errors:
+        process = subprocess.Popen([sys.executable, "-c", LAUNCH, *options], cwd=folder, stdout=subprocess.DEVNULL,
+                                   stderr=errors, env={**os.environ, "PYTHONPATH": str(REPOSITORY), **environment})
+    process.cwd = folder
+    return process
+
+
+def wait_for(done, process, what, seconds=120):
+    """Waits until done() while grpo.py runs; fails, with its errors, if it ends first."""
+    deadline = time.time() + seconds
+    while not done():
+        if process.poll() is not None:
+            pytest.fail(f"grpo.py ended before {what}:\n{(process.cwd / 'errors.txt').read_text()[-2000:]}")
+        assert time.time() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.05)
+
+
+def kill(process):
+    assert process.poll() is None  # it was running when killed, not ended or crashed
+    process.send_signal(signal.SIGKILL)
+    process.wait()
 
 
 def test_a_run_killed_at_any_moment_leaves_every_checkpoint_loadable(workspace, tmp_path):
-    """Kill -9 a real grpo.py run at random moments; every checkpoint it wrote still loads."""
+    """Kill -9 a real grpo.py run at a random moment after its first checkpoint, then a new run
+    in the middle of writing its own over it; every checkpoint still loads, the first one whole."""
     shutil.copytree(workspace / "data", tmp_path / "data")
     shutil.copytree(workspace / "checkpoints" / "finetune", tmp_path / "checkpoints" / "finetune")
-    rng = random.Random(0)
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
-    for _ in range(2):
-        process = subprocess.Popen([sys.executable, str(REPOSITORY / "grpo.py"), "--minutes", "5"], cwd=tmp_path,
-                                   env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(3, 8))
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        for checkpoint in (tmp_path / "checkpoints" / "grpo").rglob("*.pt"):
-            read_checkpoint(checkpoint)
+    folder = tmp_path / "checkpoints" / "grpo" / "kl-0.05"
+    first = folder / "rollout-0.pt"
+
+    process = start_grpo(tmp_path)
+    wait_for(first.exists, process, "its first checkpoint")
+    time.sleep(random.Random(0).uniform(0, 4))
+    kill(process)
+    saved = sorted(folder.glob("*.pt"))
+    assert first in saved
+    for checkpoint in saved:
+        read_checkpoint(checkpoint)
+    before = first.read_bytes()
+
+    # A new run of the same folder saves its own rollout-0.pt over that one: killed halfway through.
+    sign = tmp_path / "saving"
+    process = start_grpo(tmp_path, SLOW_SAVES=str(sign))
+    wait_for(sign.exists, process, "save")
+    kill(process)
+    halves = list(folder.glob(".rollout-0.pt.*.tmp"))
+    assert len(halves) == 1 and 0 < halves[0].stat().st_size < len(before)  # the kill landed inside the save
+    assert first.read_bytes() == before  # the checkpoint it was replacing, whole
+    for checkpoint in (tmp_path / "checkpoints" / "grpo").rglob("*.pt"):
+        read_checkpoint(checkpoint)
