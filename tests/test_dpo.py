@@ -7,6 +7,7 @@ import torch
 import dpo
 import preferences
 from model import read_checkpoint
+from sample import encode_prompt
 
 
 def fake_pairs(tokenizer, count=6):
@@ -23,6 +24,34 @@ def test_dpo_loss_of_a_model_equal_to_its_reference_is_log_2(workspace_tokenizer
     losses, margins = dpo.pair_losses(workspace_model, reference, x, y, torch.device("cpu"), precision)
     assert torch.allclose(losses, torch.full_like(losses, math.log(2)))
     assert torch.all(margins == 0)
+
+
+def story_logprob_by_hand(model, prompt, story):
+    """log p(story | prompt): the story's tokens' log-probabilities, one row, no padding, added up."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt + story]))
+    return sum(torch.log_softmax(logits[0, len(prompt) - 1 + i], -1)[t].item() for i, t in enumerate(story))
+
+
+def test_pair_losses_follow_the_dpo_formula_for_a_policy_apart_from_its_reference(workspace_tokenizer,
+                                                                                  workspace_model):
+    reference = copy.deepcopy(workspace_model).requires_grad_(False)
+    with torch.no_grad():  # the policy a few updates away from its reference
+        g = torch.Generator().manual_seed(0)
+        for p in workspace_model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    pairs = fake_pairs(workspace_tokenizer, 3)
+    x, y = dpo.pair_batch(pairs, workspace_tokenizer, "cpu")
+    losses, margins = dpo.pair_losses(workspace_model, reference, x, y, torch.device("cpu"), "fp32")
+    for pair, loss, margin in zip(pairs, losses.tolist(), margins.tolist()):
+        prompt = encode_prompt(workspace_tokenizer, pair["instruction"])
+        chosen, rejected = (story_logprob_by_hand(workspace_model, prompt, pair[f"{side}_tokens"])
+                            - story_logprob_by_hand(reference, prompt, pair[f"{side}_tokens"])
+                            for side in ("chosen", "rejected"))
+        by_hand = dpo.BETA * (chosen - rejected)
+        assert abs(by_hand) > 0.01  # the pair tells the policy from its reference
+        assert margin == pytest.approx(by_hand, rel=1e-3)
+        assert loss == pytest.approx(-math.log(1 / (1 + math.exp(-by_hand))), rel=1e-4)
 
 
 def test_story_logprobs_sum_the_story_tokens_only(workspace_tokenizer, workspace_model):
@@ -52,11 +81,18 @@ def test_dpo_gradient_makes_the_chosen_story_likelier(workspace_tokenizer, works
     assert torch.all(new_chosen - new_rejected > ref_chosen - ref_rejected)
 
 
-def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys):
-    run_main(preferences, "--instructions", "16", "--stories", "3")
-    run_main(dpo, "--steps", "2", "--precision", "fp32")
+def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys, monkeypatch):
+    losses, real_pair_losses = [], dpo.pair_losses
+    monkeypatch.setattr(dpo, "pair_losses", lambda *args: losses.append(real_pair_losses(*args)[0]) or
+                        real_pair_losses(*args))
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    run_main(dpo, "--steps", "2", "--precision", "fp32", "--device", "cpu")
     made_by = read_checkpoint(workspace / "checkpoints" / "dpo")["made_by"]
     assert made_by["script"] == "dpo.py" and made_by["step"] == 2
+    # The script's own first step: its policy is still its reference, with dropout off in both,
+    # so the loss is log 2 for every pair.
+    assert len(losses) == 2
+    assert torch.allclose(losses[0], torch.full_like(losses[0], math.log(2)))
     out = capsys.readouterr().out
     assert "step 0: the held-out stories use" in out and "step 2: loss" in out
 

@@ -26,10 +26,17 @@ def test_words_used_counts_whole_words_in_any_case(story, share):
 
 
 @pytest.mark.parametrize("word, story, used", [
+    # One form a story, so that each form is checked on its own.
     ("jump", "He jumped.", True), ("jump", "She jumps.", True), ("jump", "They were jumping.", True),
     ("bake", "They baked.", True), ("bake", "She was baking.", True), ("bake", "He bakes.", True),
-    ("box", "Boxes!", True), ("wish", "Two wishes.", True), ("cry", "She cried and cries.", True),
-    ("stop", "It stopped.", True), ("run", "Running!", True), ("run", "He ran.", False),
+    ("box", "Boxes!", True), ("wish", "Two wishes.", True), ("buzz", "It buzzes.", True),
+    ("watch", "She watches.", True), ("box", "Boxs!", False), ("watch", "She watchs.", False),
+    ("cry", "She cried.", True), ("cry", "She cries.", True), ("cry", "She was crying.", True),
+    ("cry", "She crys.", False),
+    ("play", "They played.", True), ("play", "She plays.", True), ("play", "Playing!", True),
+    ("play", "She plaies.", False), ("stay", "He stayed.", True),
+    ("stop", "It stopped.", True), ("stop", "It was stopping.", True), ("run", "Running!", True),
+    ("run", "He ran.", False),
     ("cake", "The cakes' box.", True), ("kite", "Lily's kite", True),
     ("car", "A card.", False), ("win", "The wind.", False), ("ten", "They tend it.", False),
     ("car", "She cares.", False), ("rain", "The brain.", False),
@@ -106,15 +113,30 @@ def test_metrics_of_a_uniform_model_match_a_hand_computation(workspace, uniform_
 
 
 def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, capsys):
+    # Stories known in advance, one set for each seed: with seed 0, every story uses its first
+    # word and has its second only inside another word, and ends; with seed 1, the first 10
+    # stories use all three words and none ends. So the words used are 1/3 and 10/50.
+    def written(model, tokenizer, prompts, max_new_tokens, seed):
+        instructions = load_instructions()
+        assert prompts == [i["instruction"] for i in instructions]
+        if seed == 0:
+            return [tokenizer.encode(f"A {w[0]} and a {w[1]}s{w[1]}.") + [tokenizer.eot]
+                    for w in (i["words"] for i in instructions)]
+        return [tokenizer.encode(f"{', '.join(i['words'])}!" if n < 10 else "Nothing.")
+                for n, i in enumerate(instructions)]
+
+    monkeypatch.setattr(evaluate, "write_stories", written)
     monkeypatch.chdir(workspace)
-    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--seeds", "2"])
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--seeds", "2", "--device", "cpu"])
     evaluate.main()
     out = capsys.readouterr().out
-    assert "| finetune |" in out
     saved = json.loads((workspace / "runs" / "evaluate" / "finetune.json").read_text())
-    assert [s["words"] for s in saved["stories"]] == [i["words"] for i in load_instructions()]  # the committed set
-    assert all(s["words_used"] == words_used(s["story"], s["words"]) for s in saved["stories"])
-    by_seed = saved["words_used_by_seed"]
-    assert len(by_seed) == 2 and saved["words_used"] == pytest.approx(sum(by_seed) / 2)
-    assert (f"| finetune | {saved['words_used']:.0%} ({min(by_seed):.0%} to {max(by_seed):.0%}) | "
-            f"{saved['valid_loss']:.2f} | {saved['ended']:.0%} |") in out
+    assert saved["words_used_by_seed"] == pytest.approx([1 / 3, 10 / 50])
+    assert saved["words_used"] == pytest.approx((1 / 3 + 10 / 50) / 2)
+    assert saved["ended"] == pytest.approx(0.5) and saved["uses_of_a_used_word"] == pytest.approx(1.0)
+    # The stories kept are seed 0's, each with its words and the share it uses.
+    instructions = load_instructions()  # the committed set
+    assert [s["words"] for s in saved["stories"]] == [i["words"] for i in instructions]
+    assert all(s["story"].startswith(f"A {s['words'][0]} and a ") for s in saved["stories"])
+    assert [s["words_used"] for s in saved["stories"]] == pytest.approx([1 / 3] * 50)
+    assert f"| finetune | 27% (20% to 33%) | {saved['valid_loss']:.2f} | 50% | 1.0 |" in out
