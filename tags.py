@@ -68,6 +68,9 @@ def main():
     args = parser.parse_args()
     if not (ROOT / ".git").exists():
         raise SystemExit("tags.py: this copy has no .git (a tarball?), so no history to tag; clone the repository")
+    if git("rev-parse", "--is-shallow-repository").strip() == "true":
+        raise SystemExit("tags.py: this clone is shallow (git clone --depth): the steps' commits may be missing "
+                         "from it; run git fetch --unshallow, then tags.py again")
 
     rows = read_steps()
     commits, errors = find_commits(rows)

@@ -11,8 +11,21 @@ import pytest
 import tags
 
 needs_git = pytest.mark.skipif(not shutil.which("git"), reason="no git on this machine")
-needs_history = pytest.mark.skipif(not (tags.ROOT / ".git").exists() or not shutil.which("git"),
-                                   reason="no .git here (a tarball?) or no git: the tags come from the history")
+
+
+def missing_history():
+    """Why this copy has not the whole history the tags are made from, or None if it has."""
+    if not (tags.ROOT / ".git").exists() or not shutil.which("git"):
+        return "no .git here (a tarball?) or no git: the tags come from the history"
+    shallow = subprocess.run(["git", "-C", str(tags.ROOT), "rev-parse", "--is-shallow-repository"],
+                             capture_output=True, text=True).stdout.strip()
+    if shallow != "false":
+        return "a shallow clone: the tags need the whole history (git fetch --unshallow brings it)"
+    return None
+
+
+MISSING_HISTORY = missing_history()
+needs_history = pytest.mark.skipif(MISSING_HISTORY is not None, reason=str(MISSING_HISTORY))
 
 
 def git(folder, *args):
@@ -67,6 +80,18 @@ def test_a_row_without_its_commit_stops_with_one_line_and_tags_nothing(clone):
                              "'Episode 99, step 1: never committed'\n"
     assert tags_py(clone).returncode != 0
     assert "ep99-1-nothing" not in git(clone, "tag", "--list")
+
+
+@needs_git
+@pytest.mark.skipif(not (tags.ROOT / ".git").exists(), reason="no .git here to clone")
+def test_a_shallow_clone_is_told_it_needs_the_whole_history(tmp_path):
+    folder = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{tags.ROOT}", str(folder)], check=True)
+    for name in ("tags.py", "steps.tsv"):  # this working tree's, as in the fresh clone above
+        shutil.copy(tags.ROOT / name, folder / name)
+    made = tags_py(folder)
+    assert made.returncode != 0 and "shallow" in made.stderr and "git fetch --unshallow" in made.stderr
+    assert len(made.stderr.splitlines()) == 1 and git(folder, "tag", "--list") == ""
 
 
 @needs_git
