@@ -11,9 +11,10 @@ its outputs are still the files it made (the same size and hash):
    train is dropped from valid, and a held-out story from train, so evaluation never
    measures what training saw; one train story in four is kept out of pretraining, for
    fine-tuning                                 -> data/train.txt, data/tune.txt, data/valid.txt
-2. instructions: for each story kept for fine-tuning, three words it uses, and the
-   instruction that asks for them ("Write a story that uses the words kite, river and brave.")
-                                                           -> data/instructions.jsonl
+2. instructions: the words a child would know (askable), and the nouns among them; for each
+   story kept for fine-tuning, three words it uses, and the instruction that asks for them
+   ("Write a story that uses the words kite, river and brave.")
+                                                    -> data/words.json, data/instructions.jsonl
 3. the tokenizer (tokenizer.py), trained on the train stories   -> data/tokenizer.json
 4. token files for pretraining, an end-of-text before each story -> data/train.bin, valid.bin
 
@@ -42,6 +43,7 @@ import argparse
 import errno
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -91,9 +93,16 @@ WORD = re.compile(r"[a-z]+")  # a word of lowercased text, for the reward (evalu
 # A word written in lowercase as a whole, in cased text: not "nstead" in "Instead", not "immy"
 # in "Timmy", not "don" in "don't", not "ups" in "grown-ups". Names are capitalised, so never match.
 LOWERCASE_WORD = re.compile(r"(?<![\w'-])[a-z]+(?![\w'-])")
+# The words a noun comes after ("the kite", "his red kite"): an askable word within two words after
+# one of them in at least NOUN_SHARE of its uses is a noun, which fine-tuning's word swap may
+# replace by another noun and the story still reads (finetune.py --swap).
+DETERMINERS = frozenset("a an the his her my their our your its this that".split())
+NOUN_SHARE = 0.6
+ANY_WORD = re.compile(r"[A-Za-z']+")
 # Everything that decides which words are asked for: a change to any of it rebuilds the instructions.
 ASKING = {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
-          "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16]}
+          "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16],
+          "determiners": sorted(DETERMINERS), "noun_share": NOUN_SHARE}
 # Why a write fails in one line, not a traceback: the disk is full, read-only, or not ours to write.
 UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM}
 STARTED = time.time()  # a temporary file last written before this is no save of this run's
@@ -360,6 +369,40 @@ def askable_words(train_path):
             if fewest <= n <= most and len(word) >= 3 and word not in STOP_WORDS}
 
 
+def nouns_among(train_path, askable):
+    """The askable words that are nouns, as far as a count can tell: within two words after a
+    determiner in at least NOUN_SHARE of their uses (a few adjectives pass too: "the mighty lion")."""
+    uses, after_determiner = Counter(), Counter()
+    for story in stories(train_path):
+        words = ANY_WORD.findall(story)
+        for i, word in enumerate(words):
+            if word in askable:
+                uses[word] += 1
+                after_determiner[word] += any(w.lower() in DETERMINERS for w in words[max(0, i - 2):i])
+    return {word for word in uses if after_determiner[word] >= NOUN_SHARE * uses[word]}
+
+
+def write_words(path, askable, nouns):
+    with atomic(path) as tmp:
+        tmp.write_text(json.dumps({"askable": sorted(askable), "nouns": sorted(nouns)}, indent=0) + "\n")
+
+
+def read_words(path=DATA / "words.json"):
+    """The askable words and the nouns among them, as data.py counted them in the train stories
+    once, so that no script counts them again at its start."""
+    if not Path(path).exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    try:
+        words = json.loads(Path(path).read_text())
+        askable, nouns = set(words["askable"]), set(words["nouns"])
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"{path} is damaged; make it again with python data.py") from None
+    if not askable or not nouns <= askable:
+        raise SystemExit(f"{path} is damaged (no askable words, or nouns that are not among them); "
+                         "make it again with python data.py")
+    return askable, nouns
+
+
 def pick_words(story, askable, seed=SEED):
     """Three distinct askable words that the story uses, the same for a story and a seed
     whatever the order of the file; None when the story has fewer than three."""
@@ -390,14 +433,15 @@ def write_instructions(out, askable):
     return count
 
 
-def read_instructions(path=DATA / "instructions.jsonl"):
-    """The training instructions, each a dict with words, instruction and story."""
+def read_instructions(path=DATA / "instructions.jsonl", limit=None):
+    """The training instructions, or the first `limit` of them, each a dict with words,
+    instruction and story; read line by line, so that a limit reads no further than it needs."""
     if not Path(path).exists():
         raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
     check_made(path)  # not cut short since data.py made it
     with open(path, encoding="utf-8") as file:
         try:
-            instructions = [json.loads(line) for line in file]
+            instructions = [json.loads(line) for line in itertools.islice(file, limit)]
         except ValueError as error:
             raise SystemExit(f"{path} is damaged ({error}); make it again with python data.py")
     if not instructions:
@@ -581,8 +625,8 @@ def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
                                                tune_share=TUNE_SHARE),
              [train, tune, valid, heldout], lambda: make_stories(files, out, heldout))
     # 2. An instruction for each story kept for fine-tuning: what fine-tuning and the RL episodes train on.
-    run_step(out, "instructions", lambda: inputs_of(train, tune, **ASKING), [out / "instructions.jsonl"],
-             lambda: make_instructions(out))
+    run_step(out, "instructions", lambda: inputs_of(train, tune, **ASKING),
+             [out / "instructions.jsonl", out / "words.json"], lambda: make_instructions(out))
     # 3. The tokenizer learns its merges from the train stories.
     run_step(out, "tokenizer", lambda: inputs_of(train, vocab_size=vocab_size, megabytes=TOKENIZER_MEGABYTES),
              [out / "tokenizer.json"], lambda: make_tokenizer(out, vocab_size))
@@ -603,8 +647,10 @@ def make_stories(files, out, heldout):
 
 def make_instructions(out):
     askable = askable_words(out / "train.txt")
+    nouns = nouns_among(out / "train.txt", askable)
+    write_words(out / "words.json", askable, nouns)
     count = write_instructions(out, askable)
-    return f"{len(askable):,} askable words; {count:,} train instructions"
+    return f"{len(askable):,} askable words ({len(nouns):,} of them nouns); {count:,} train instructions"
 
 
 def first_megabytes(texts, megabytes):

@@ -7,8 +7,11 @@ or a checkpoint file), three figures:
 - words used: a story for each of the 50 held-out instructions (data/heldout.json, never
   seen in training), at temperature 1 as in the RL episodes, with a fixed seed; the share
   of the 150 requested words that the stories use. This is the reward of the RL episodes.
-- loss on plain stories: the next-token loss on all of data/valid.bin, in float32, so the
-  figure is the same on any machine. It rises when a model forgets how to write stories.
+- loss on plain stories: the next-token loss on VALID_WINDOWS (512) windows of 256 tokens
+  spread evenly over data/valid.bin, the same windows every time, in float32, so the figure
+  is the same on any machine and compares from model to model (`--valid-windows all` takes
+  the whole file: 1,268 windows of the shared sample, about 20,000 of the full download's).
+  It rises when a model forgets how to write stories.
 - stories that end: the share of those 50 stories that end (write end-of-text) within
   MAX_NEW_TOKENS (200) tokens.
 
@@ -41,6 +44,7 @@ from sample import MAX_NEW_TOKENS, write_stories
 from train import load_tokens, valid_loss
 
 SEED = 0  # the same stories for a model every time it is measured
+VALID_WINDOWS = 512  # of valid.bin, for the loss on plain stories: a fixed cost whatever the data's size
 # A last consonant that doubles before -ed and -ing after a single vowel: stop, stopped.
 DOUBLES = re.compile(r"[^aeiou][aeiou][bdgklmnprt]$")
 
@@ -110,6 +114,11 @@ def measure(model, tokenizer, instructions, valid_tokens, device, seeds=1, windo
             "stories": by_seed[0]["stories"]}
 
 
+def windows_or_all(text):
+    """--valid-windows: a number, or all (None: valid_loss then reads the whole file)."""
+    return None if text == "all" else int(text)
+
+
 def model_name(path):
     """A model is named after its folder. A checkpoint saved along the way keeps its own
     name; a final model in a folder whose name starts with kl- is named after the folder
@@ -153,12 +162,13 @@ def main():
     parser = argparse.ArgumentParser(description="Measure models on the held-out instructions and plain stories.")
     parser.add_argument("models", nargs="+", help="checkpoint folders (their final model) or files")
     parser.add_argument("--seeds", type=int, default=1, help="seeds for the held-out stories: their mean and spread")
-    parser.add_argument("--valid-windows", type=int, help="the loss on this many windows of the valid stories, "
-                        "spread over them, for a quicker figure (default: all of them)")
+    parser.add_argument("--valid-windows", type=windows_or_all, default=VALID_WINDOWS,
+                        help=f"the loss on this many windows spread over the valid stories, or all "
+                        f"(default {VALID_WINDOWS})")
     parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
     args = parser.parse_args()
     if args.seeds < 1 or (args.valid_windows is not None and args.valid_windows < 1):
-        parser.error("--seeds and --valid-windows must be at least 1")
+        parser.error("--seeds and --valid-windows must be at least 1 (or --valid-windows all)")
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()

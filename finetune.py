@@ -10,9 +10,10 @@ it uses, drawn anew (the first pass asks for the file's words), so the words can
 read from the instruction, never recalled with the story. The loss counts only the story's tokens and
 its end-of-text, so the model learns to answer instructions, not to write them, and to end
 a story on its own. Pretraining's optimizer, schedule over --minutes, training step and
-peak learning rate (train.py); a quarter of each batch is plain pretraining stories, a
-replay that keeps the model writing stories as it did while it learns the instructions
-(step 4 found the larger rate alone loses that, and the replay pays it back).
+peak learning rate (train.py); a quarter of each batch is windows of the pretraining
+stories (data/train.bin, read as pretraining reads it), a replay that keeps the model
+writing stories as it did while it learns the instructions (step 4 found the larger rate
+alone loses that, and the replay pays it back).
 
 Two losses are logged: on instructions held back from training (is it learning the task?)
 and on plain valid stories (does it still write stories? it should stay close to the
@@ -23,7 +24,10 @@ The levers of episode 3's step 4, each run in a folder named after what it chang
 (checkpoints/finetune-lr-0.0003-plain-0, finetune-asks-3, finetune-plain-0): --lr, the
 peak learning rate; --asks N, each story asked for N sets of words on each pass;
 --plain-share, the share of each batch given to plain stories. Step 5 made the best of
-them, --lr 1e-3 --plain-share 0.25, the default.
+them, --lr 1e-3 --plain-share 0.25, the default. Step 6's lever, --swap SHARE: that share
+of the asked words that are nouns (data/words.json) is replaced throughout the story by
+another noun, drawn anew on each pass, and the instruction asks for it, so that however
+well a story is remembered, only the instruction tells which noun comes.
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
@@ -32,15 +36,18 @@ example, the padding masked out of the loss.
     python finetune.py --minutes 20
     python finetune.py --minutes 50 --keep
     python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
+    python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
 """
 import json
+import random
+import re
 import time
 
 import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, SEED, ask, askable_words, check_writable, instruction, load_tokenizer, read_instructions, stories
+from data import SEED, ask, check_writable, instruction, load_tokenizer, read_instructions, read_words
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
@@ -50,6 +57,7 @@ BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
 LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
 PLAIN_SHARE = 0.25  # of each batch: plain stories, the replay that keeps the loss on plain stories
+SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (step 6's lever)
 MIN_LR = 3e-5
 WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
@@ -64,22 +72,56 @@ def encode_example(tokenizer, example):
     return tokens[:MAX_LENGTH], len(prompt)
 
 
-def ask_anew(tokenizer, tune_stories, askable, epoch, asks=1):
-    """Each story asked asks times for three words it uses, drawn anew for each pass over the
-    stories (the first ask of the first pass is for the words of data/instructions.jsonl)."""
-    return [encode_example(tokenizer, ask(story, askable, seed=SEED + epoch * asks + k))
-            for story in tune_stories for k in range(asks)]
+def a_pass(rng, stories, asks, epoch):
+    """One pass over the stories, in a shuffled order: each story's index `asks` times, with
+    the seed of each of its asks, new for each pass (the first pass's first is the file's)."""
+    return [(i // asks, SEED + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
 
 
-def encode_plain(tokenizer, story):
-    """A plain story as an example: an end-of-text for its prompt, as in pretraining."""
-    return encode_example(tokenizer, {"instruction": "", "story": story})
+def ask_anew(tokenizer, story, askable, seed, nouns=(), swap=0.0):
+    """A story as an example, asked for three words it uses, drawn with the seed (a new one for
+    each pass over the stories; the first pass's are the words of data/instructions.jsonl), with
+    a share `swap` of the asked nouns swapped for other nouns throughout the story."""
+    example = ask(story, askable, seed)
+    return encode_example(tokenizer, swap_nouns(example, nouns, swap, seed) if swap else example)
+
+
+def swap_nouns(example, nouns, share, seed):
+    """The example with each asked noun, with probability share, replaced throughout its story
+    by another noun the story doesn't use (singular for singular, plural for plural), and the
+    instruction asking for that one: a word that only the instruction can give away, however
+    well the story is remembered. Other forms of the word ("kites" for "kite") stay as they are."""
+    rng = random.Random(f"{seed}:{example['story']}")
+    story, words = example["story"], list(example["words"])
+    in_story = set(re.findall(r"[a-z]+", story.lower()))
+    for i, word in enumerate(words):
+        if word not in nouns or rng.random() >= share:
+            continue
+        others = [n for n in sorted(nouns) if is_plural(n) == is_plural(word) and n not in in_story]
+        new = rng.choice(others)
+        for old, replacement in ((word, new), (word.capitalize(), new.capitalize())):
+            story = re.sub(rf"\b{old}\b", replacement, story)
+        words[i] = new
+        in_story.add(new)
+    return {"words": words, "instruction": instruction(words), "story": story}
+
+
+def is_plural(noun):
+    return noun.endswith("s") and not noun.endswith(("ss", "us"))
+
+
+def plain_windows(tokens, rng, count):
+    """count windows of data/train.bin, as pretraining reads them: a context's worth of the
+    stories pretraining trained on, every token a target (a prompt of one token)."""
+    starts = rng.integers(0, len(tokens) - MAX_LENGTH - 1, size=count)
+    return [(tokens[start:start + MAX_LENGTH + 1].tolist(), 1) for start in starts]
 
 
 def run_name(args):
-    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0) with a lever off its default."""
+    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1) with a lever off its default."""
     return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
-            + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else ""))
+            + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else "")
+            + (f"-swap-{args.swap:g}" if args.swap != SWAP else ""))
 
 
 def collate(examples, pad, device):
@@ -118,11 +160,14 @@ def main():
     parser.add_argument("--asks", type=int, default=1, help="sets of words each story is asked for on each pass (default 1)")
     parser.add_argument("--plain-share", type=float, default=PLAIN_SHARE,
                         help=f"the share of each batch given to plain pretraining stories (default {PLAIN_SHARE:g})")
+    parser.add_argument("--swap", type=float, default=SWAP,
+                        help=f"the share of asked nouns swapped for other nouns throughout the story (default {SWAP:g})")
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
-    if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)):
-        parser.error(f"--lr must be between 0 and 1, --asks at least 1, and --plain-share 0 or a share that leaves "
-                     f"at least one plain story and one instruction in a batch of {BATCH}")
+    if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
+            and 0 <= args.swap <= 1):
+        parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, and --plain-share 0 "
+                     f"or a share that leaves at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name
     check_writable(folder, RUNS / name)  # now, not when the model is saved
@@ -145,15 +190,12 @@ def main():
     order = rng.permutation(len(instructions))
     tune_stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
     held_back = [encode_example(tokenizer, instructions[i]) for i in order[-HELD_BACK:]]
-    askable = askable_words(DATA / "train.txt")
-    epoch, train_examples = 0, ask_anew(tokenizer, tune_stories, askable, 0, args.asks)
-    rng.shuffle(train_examples)  # with --asks, a story's asks in different batches from the first pass
+    askable, nouns = read_words()
     asked_rows = BATCH - plain_rows
-    plain = [encode_plain(tokenizer, story) for story in stories(DATA / "train.txt")] if plain_rows else []
-    cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in train_examples + held_back)
-    print(f"{len(instructions):,} instructions: {len(train_examples):,} training examples a pass, {len(held_back)} held back; "
-          f"{cut:,} of these examples are longer than {MAX_LENGTH} tokens and cut there")
-    valid_tokens = load_tokens("valid")
+    cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in held_back)
+    print(f"{len(instructions):,} instructions: {len(tune_stories) * args.asks:,} training examples a pass, "
+          f"{len(held_back)} held back, {cut} of which are longer than {MAX_LENGTH} tokens and cut there")
+    train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
     pad = tokenizer.eot  # any token: padding is never a target
     writer = SummaryWriter(RUNS / name)
     writer.add_text("settings", json.dumps(settings, indent=1), 0)
@@ -177,22 +219,22 @@ def main():
 
     evaluate_and_save(save=False)  # the pretrained model's figures, to compare against
     model.train()
-    started, position = time.time(), 0
+    # Each example is made as it is drawn, so that nothing waits on the size of the data.
+    epoch, position, asks = 0, 0, a_pass(rng, len(tune_stories), args.asks, 0)
+    started = time.time()
     while True:
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
         # Go through the stories in a new order each epoch, each asked for three other words it
         # uses: the words must be read from the instruction, as no story comes with the same ones twice.
-        if position + asked_rows > len(train_examples):
-            epoch += 1
-            train_examples = ask_anew(tokenizer, tune_stories, askable, epoch, args.asks)
-            rng.shuffle(train_examples)
-            position = 0
-        batch = train_examples[position:position + asked_rows]
+        if position + asked_rows > len(asks):
+            epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1)
+        batch = [ask_anew(tokenizer, tune_stories[story], askable, seed, nouns, args.swap)
+                 for story, seed in asks[position:position + asked_rows]]
         position += asked_rows
-        # Plain stories the model pretrained on fill the rest of the batch (none with --plain-share 0).
-        batch += [plain[i] for i in rng.choice(len(plain), plain_rows)] if plain_rows else []
+        # Windows of the stories the model pretrained on fill the rest of the batch (none with --plain-share 0).
+        batch += plain_windows(train_tokens, rng, plain_rows)
         x, y = collate(batch, pad, device)
         # The loss on the stories' tokens only, and the update it asks for.
         lr = learning_rate(step, progress, args.lr, MIN_LR, WARMUP)

@@ -3,11 +3,17 @@ Probe: does a model read its instruction? For held-back training instructions (t
 finetune.py keeps out of training), the mean log-probability the model gives the first use
 of each requested word in the story, after its own instruction, after another example's
 instruction, and after no instruction at all. A model that follows instructions gives the
-first with its own instruction a much higher log-probability than without.
+first with its own instruction a much higher log-probability than without: the difference,
+in nats, is what the docs call "the instruction moves a word by".
+
+Several models are measured one after the other; each one's figures are saved under
+runs/probe/, named after its checkpoint's path as evaluate.py names its results.
 
     python bench/instruction_probe.py checkpoints/finetune
+    python bench/instruction_probe.py checkpoints/finetune/step-*.pt
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -16,9 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import load_tokenizer, read_instructions  # noqa: E402
+from data import atomic, load_tokenizer, read_instructions  # noqa: E402
+from evaluate import model_name, saved_name  # noqa: E402
 from finetune import HELD_BACK, SEED  # noqa: E402
-from model import load_checkpoint  # noqa: E402
+from model import RUNS, load_checkpoint  # noqa: E402
 from sample import encode_prompt  # noqa: E402
 
 
@@ -36,31 +43,46 @@ def first_uses(model, tokenizer, prompt, example):
     return found
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model", help="a checkpoint folder or file")
-    parser.add_argument("--examples", type=int, default=100)
-    args = parser.parse_args()
-    if args.examples < 1:
-        parser.error("--examples must be at least 1")
-    tokenizer = load_tokenizer()
-    model = load_checkpoint(args.model, "cpu", tokenizer).eval()
-    examples = read_instructions()
-    # The examples finetune.py held back, in its order.
-    order = np.random.default_rng(SEED).permutation(len(examples))
-    held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]
+def probe(model, tokenizer, held_back):
+    """{prompt: mean log-probability of the first uses, and how many words} for the three prompts."""
     prompts = {
         "its own instruction": lambda i, e: encode_prompt(tokenizer, e["instruction"]),
         "another example's instruction": lambda i, e: encode_prompt(
             tokenizer, held_back[(i + 1) % len(held_back)]["instruction"]),
         "no instruction, just end-of-text": lambda i, e: [tokenizer.eot],
     }
-    print("| the prompt before the story | mean log-probability of the first use of a requested word |")
-    print("| --- | --- |")
+    results = {}
     with torch.no_grad():
         for label, prompt in prompts.items():
             values = [v for i, e in enumerate(held_back) for v in first_uses(model, tokenizer, prompt(i, e), e)]
-            print(f"| {label} | {np.mean(values):.2f} ({len(values)} words) |")
+            results[label] = {"mean_logprob": float(np.mean(values)), "words": len(values)}
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", nargs="+", help="checkpoint folders or files")
+    parser.add_argument("--examples", type=int, default=100)
+    args = parser.parse_args()
+    if args.examples < 1:
+        parser.error("--examples must be at least 1")
+    tokenizer = load_tokenizer()
+    examples = read_instructions()
+    # The examples finetune.py held back, in its order.
+    order = np.random.default_rng(SEED).permutation(len(examples))
+    held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]
+    for path in args.models:
+        model = load_checkpoint(path, "cpu", tokenizer, quiet=True).eval()
+        results = probe(model, tokenizer, held_back)
+        moves = results["its own instruction"]["mean_logprob"] - results["no instruction, just end-of-text"]["mean_logprob"]
+        with atomic(RUNS / "probe" / f"{saved_name(path)}.json") as tmp:
+            tmp.write_text(json.dumps({"model": model_name(path), "checkpoint": str(path), "examples": args.examples,
+                                       "prompts": results, "instruction_moves": moves}, indent=1) + "\n")
+        print(f"\n{model_name(path)}: the instruction moves a word by {moves:.2f} nats")
+        print("| the prompt before the story | mean log-probability of the first use of a requested word |")
+        print("| --- | --- |")
+        for label, result in results.items():
+            print(f"| {label} | {result['mean_logprob']:.2f} ({result['words']} words) |")
 
 
 if __name__ == "__main__":

@@ -65,39 +65,56 @@ def draw(file, title, xlabel, ylabel, lines):
     print(f"wrote docs/img/{file}")
 
 
-def finetune_curve():
-    """Episode 3: the words used on the held-out instructions against fine-tuning steps, from
-    `python evaluate.py checkpoints/pretrain checkpoints/finetune/step-*.pt --seeds 3`: the
-    mean of the seeds, and the lowest and highest."""
-    points = []
-    for path in (RUNS / "evaluate").glob("*.json"):
-        step = re.fullmatch(r"finetune-step-(\d+)", path.stem) or re.fullmatch(r"pretrain", path.stem)
-        if step:
-            result = json.loads(path.read_text())
-            points.append((int(step.group(1)) if step.groups() else 0, result))
-    if len(points) < 3:
-        print("fewer than 3 fine-tuning steps measured in runs/evaluate: skipping finetune-words.png")
+# Episode 3, step 6: each fine-tuning recipe's models along the way (finetune.py --keep),
+# measured by evaluate.py --seeds 3 and bench/instruction_probe.py: {run's folder: label}.
+# (Step 3's figure, finetune-words.png, was drawn the same way from models no longer made.)
+RECIPES = {"finetune": "default recipe", "finetune-swap-1": "--swap 1 (asked nouns swapped)"}
+
+
+def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
+    """The words used on the held-out instructions (the mean of the seeds, and the lowest and
+    highest), the probe's nats and the loss on plain stories, against fine-tuning steps, from
+    runs/evaluate/RUN-step-N.json and runs/probe/RUN-step-N.json; step 0 is the pretrained model."""
+    figure, (words, probe, loss) = plt.subplots(1, 3, figsize=(11, 3.4))
+    drawn = 0
+    for run, label in recipes.items():
+        points = sorted(measured(run))
+        if len(points) < 2:
+            print(f"fewer than 2 steps of {run} measured in runs/evaluate: left out of {file}")
+            continue
+        drawn += 1
+        steps, results, probes = zip(*points)
+        seeds = [r["words_used_by_seed"] for r in results]
+        mean = [sum(s) / len(s) for s in seeds]
+        words.errorbar(steps, mean, yerr=[[m - min(s) for m, s in zip(mean, seeds)],
+                                          [max(s) - m for m, s in zip(mean, seeds)]],
+                       marker="o", markersize=3, capsize=3, label=label)
+        probed = [(step, p["instruction_moves"]) for step, p in zip(steps, probes) if p]
+        if probed:
+            probe.plot(*zip(*probed), marker="o", markersize=3, label=label)
+        loss.plot(steps, [r["valid_loss"] for r in results], marker="o", markersize=3, label=label)
+    if not drawn:
         return
-    points.sort(key=lambda point: point[0])
-    steps = [step for step, _ in points]
-    seeds = [result["words_used_by_seed"] for _, result in points]
-    figure, (words, loss) = plt.subplots(1, 2, figsize=(9, 3.4))
-    mean = [sum(s) / len(s) for s in seeds]
-    words.errorbar(steps, mean, yerr=[[m - min(s) for m, s in zip(mean, seeds)], [max(s) - m for m, s in zip(mean, seeds)]],
-                   marker="o", markersize=3, capsize=3)
     words.set(title="Words used, held-out instructions", xlabel="fine-tuning step", ylabel="share of the words")
-    # The losses only of the models measured on the same windows of plain stories as the steps
-    # (the course measures the pretrained model on all of them, step 3 on 256).
-    windows = points[-1][1]["valid_windows"]
-    same = [(step, result["valid_loss"]) for step, result in points if result["valid_windows"] == windows]
-    loss.plot(*zip(*same), marker="o", markersize=3)
+    probe.set(title="The instruction moves a word by", xlabel="fine-tuning step", ylabel="nats")
     loss.set(title="Loss on plain valid stories", xlabel="fine-tuning step", ylabel="loss")
-    for axes in (words, loss):
+    for axes in (words, probe, loss):
         axes.grid(alpha=0.3)
+    words.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(IMAGES / "finetune-words.png", dpi=110)
+    figure.savefig(IMAGES / file, dpi=110)
     plt.close(figure)
-    print("wrote docs/img/finetune-words.png")
+    print(f"wrote docs/img/{file}")
+
+
+def measured(run):
+    """(step, evaluate.py's result, the probe's or None) for the pretrained model and each kept step of a run."""
+    for path in (RUNS / "evaluate").glob("*.json"):
+        step = re.fullmatch(rf"{re.escape(run)}-step-(\d+)", path.stem) or re.fullmatch(r"pretrain", path.stem)
+        if step:
+            probe = RUNS / "probe" / path.name
+            yield (int(step.group(1)) if step.groups() else 0, json.loads(path.read_text()),
+                   json.loads(probe.read_text()) if probe.exists() else None)
 
 
 def rl_table():
@@ -128,7 +145,7 @@ def main():
             continue
         draw(file, title, "rollout" if "/" in run else "step", ylabel,
              [(*scalars(run, tag), label) for tag, label in tags.items()])
-    finetune_curve()
+    finetune_curves()
     rl_table()
 
 

@@ -44,6 +44,40 @@ def test_instructions_come_from_the_stories_kept_out_of_pretraining(prepared):
     assert stories and set(stories) <= tune
 
 
+def test_the_nouns_are_the_askable_words_that_mostly_come_after_a_determiner(tmp_path):
+    path = tmp_path / "train.txt"
+    stories = ["The kite flew. Tom jumped.", "A red kite jumped over the river.", "She jumped. The river ran.",
+               "His kite fell, so he jumped again. Then Tom fell."]
+    path.write_text("".join(f"{s}\n{SEPARATOR}\n" for s in stories), encoding="utf-8")
+    # kite: 4 uses, all within two words after a determiner; river 2 of 2; jumped 0 of 4 ("a red
+    # kite jumped" is three words on), fell 1 of 2 ("His kite fell"): under NOUN_SHARE, so not a noun.
+    assert data.nouns_among(path, {"kite", "river", "jumped", "fell"}) == {"kite", "river"}
+
+
+def test_words_json_holds_the_askable_words_and_their_nouns_and_a_damaged_one_is_refused(prepared):
+    askable, nouns = data.read_words(prepared / "words.json")
+    assert askable == data.askable_words(prepared / "train.txt")
+    assert nouns == data.nouns_among(prepared / "train.txt", askable) and nouns  # the test corpus's nouns
+    (prepared / "words.json").write_text('{"askable": ["kite"], "nouns": ["river"]}')
+    with pytest.raises(SystemExit, match="damaged.*python data.py"):
+        data.read_words(prepared / "words.json")
+    (prepared / "words.json").write_text('{"askable": ')
+    with pytest.raises(SystemExit, match="damaged; make it again with python data.py"):
+        data.read_words(prepared / "words.json")
+    with pytest.raises(SystemExit, match="no .*words.json: make it with python data.py"):
+        data.read_words(prepared / "missing" / "words.json")
+
+
+def test_a_limit_reads_the_first_instructions_and_no_further(prepared):
+    path = prepared / "instructions.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[5] = "x" + lines[5][1:]  # damaged past the limit, its size unchanged
+    path.write_text("".join(lines), encoding="utf-8")
+    assert data.read_instructions(path, limit=5) == [json.loads(line) for line in lines[:5]]
+    with pytest.raises(SystemExit, match="damaged"):
+        data.read_instructions(path)
+
+
 def test_lowercased_file_is_left_out(prepared):
     assert all(any(c.isupper() for c in story) for story in read(prepared / "train.txt"))
 

@@ -6,7 +6,7 @@ import torch
 
 import finetune
 import train
-from data import askable_words, load_tokenizer, read_instructions
+from data import SEED, load_tokenizer, read_instructions, read_words
 from model import GPT, TINY, Config
 from sample import encode_prompt
 
@@ -48,39 +48,86 @@ def test_each_pass_asks_each_story_for_words_it_uses_drawn_anew(workspace):
     tokenizer = load_tokenizer(workspace / "data")
     instructions = read_instructions(workspace / "data" / "instructions.jsonl")[:40]
     stories = [i["story"] for i in instructions]
-    askable = askable_words(workspace / "data" / "train.txt")
-    first, second = (finetune.ask_anew(tokenizer, stories, askable, epoch) for epoch in (0, 1))
+    askable, _ = read_words(workspace / "data" / "words.json")
+    first, second = ([finetune.ask_anew(tokenizer, story, askable, seed) for story in stories]
+                     for seed in (SEED, SEED + 1))
     assert first == [finetune.encode_example(tokenizer, i) for i in instructions]  # the file's words first
     prompts = [tokenizer.decode(tokens[1:length]) for tokens, length in second]
     assert sum(a != b for a, b in zip(first, second)) > 20  # most stories are asked for other words
     for prompt, story in zip(prompts, stories):
-        words = prompt.removeprefix("Write a story that uses the words ").rstrip(".\n").replace(" and", ",").split(", ")
+        words = asked_words(prompt)
         assert len(words) == 3 and all(word in story for word in words)
 
 
-def test_several_asks_give_each_story_other_words_on_one_pass(workspace):
-    tokenizer = load_tokenizer(workspace / "data")
-    instructions = read_instructions(workspace / "data" / "instructions.jsonl")[:40]
-    stories = [i["story"] for i in instructions]
-    askable = askable_words(workspace / "data" / "train.txt")
-    asked = finetune.ask_anew(tokenizer, stories, askable, 0, asks=2)
-    assert len(asked) == 80
-    assert asked[::2] == finetune.ask_anew(tokenizer, stories, askable, 0)  # the first ask is the file's
-    assert sum(first != second for first, second in zip(asked[::2], asked[1::2])) > 20
+def asked_words(prompt):
+    return prompt.removeprefix("Write a story that uses the words ").rstrip(".\n").replace(" and", ",").split(", ")
 
 
-def test_a_plain_story_is_predicted_from_an_end_of_text(workspace):
+def test_a_pass_asks_each_story_asks_times_with_seeds_new_on_each_pass():
+    rng = np.random.default_rng(0)
+    first, second = finetune.a_pass(rng, 40, 2, 0), finetune.a_pass(rng, 40, 2, 1)
+    assert sorted(first) == [(story, SEED + k) for story in range(40) for k in (0, 1)]
+    assert sorted(second) == [(story, SEED + 2 + k) for story in range(40) for k in (0, 1)]
+    # Shuffled: a story's two asks are not side by side, and the passes' orders differ.
+    assert sum(a[0] == b[0] for a, b in zip(first, first[1:])) < 5
+    assert [story for story, _ in first] != [story for story, _ in second]
+
+
+NOUNS = {"kite", "river", "cake", "frog", "boat", "pond", "hat", "sun", "kites", "boats", "frogs"}
+STORY = "The kite flew over the river. Kite up high! The frog saw the kite and jumped."
+
+
+def test_a_swap_replaces_each_asked_noun_throughout_the_story_and_asks_for_the_new_one():
+    example = {"words": ["kite", "river", "jumped"], "instruction": "", "story": STORY}
+    swapped = finetune.swap_nouns(example, NOUNS, 1.0, seed=0)
+    kite, river, jumped = swapped["words"]
+    assert jumped == "jumped"  # not a noun: left alone
+    assert {kite, river} <= NOUNS - {"kite", "river", "frog"} - {"kites", "boats", "frogs"}  # singular, not in the story
+    assert kite != river
+    assert swapped["story"] == (STORY.replace("kite", kite).replace("Kite", kite.capitalize())
+                                .replace("river", river))
+    assert swapped["instruction"] == f"Write a story that uses the words {kite}, {river} and jumped.\n"
+    assert finetune.swap_nouns(example, NOUNS, 1.0, seed=0) == swapped  # the same for a seed
+    assert any(finetune.swap_nouns(example, NOUNS, 1.0, seed=s)["words"] != swapped["words"] for s in range(1, 5))
+
+
+def test_a_swap_share_swaps_about_that_share_of_the_asked_nouns():
+    example = {"words": ["kite", "river", "frog"], "instruction": "", "story": STORY}
+    swapped = [word != old for seed in range(200)
+               for old, word in zip(example["words"], finetune.swap_nouns(example, NOUNS,
+                                                                          0.5, seed)["words"])]
+    assert 0.4 < np.mean(swapped) < 0.6
+    assert finetune.swap_nouns(example, NOUNS, 0.0, seed=0)["story"] == STORY
+
+
+def test_swapped_examples_from_the_real_words_ask_for_words_their_story_uses(workspace):
     tokenizer = load_tokenizer(workspace / "data")
-    story = read_instructions(workspace / "data" / "instructions.jsonl")[0]["story"]
-    tokens, prompt_length = finetune.encode_plain(tokenizer, story)
-    assert tokens == [tokenizer.eot] + tokenizer.encode(story) + [tokenizer.eot] and prompt_length == 1
-    _, y = finetune.collate([(tokens, prompt_length)], tokenizer.eot, "cpu")
-    assert y[0].tolist() == tokens[1:]  # every token of the story is a target
+    askable, nouns = read_words(workspace / "data" / "words.json")
+    stories = [i["story"] for i in read_instructions(workspace / "data" / "instructions.jsonl")[:40]]
+    changed = 0
+    for story in stories:
+        tokens, length = finetune.ask_anew(tokenizer, story, askable, SEED, nouns, swap=1.0)
+        words, text = asked_words(tokenizer.decode(tokens[1:length])), tokenizer.decode(tokens[length:])
+        assert all(word in text for word in words)
+        changed += text.removesuffix(tokenizer.decode([tokenizer.eot])) != story
+    assert changed > 30  # the test corpus asks for nouns
+
+
+def test_plain_rows_are_windows_of_the_pretraining_tokens_every_token_a_target():
+    tokens = np.arange(1000, dtype=np.uint16)
+    windows = finetune.plain_windows(tokens, np.random.default_rng(0), 3)
+    assert len(windows) == 3
+    for window, prompt_length in windows:
+        assert prompt_length == 1 and len(window) == finetune.MAX_LENGTH + 1
+        assert window == list(range(window[0], window[0] + finetune.MAX_LENGTH + 1))  # consecutive tokens
+    _, y = finetune.collate(windows, pad=0, device="cpu")
+    assert y.tolist() == [window[1:] for window, _ in windows]  # every token but the first is a target
+    assert finetune.plain_windows(tokens, np.random.default_rng(0), 0) == []
 
 
 def test_each_lever_names_its_own_folder():
-    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE):
-        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share))
+    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP):
+        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap))
     assert name() == "finetune"
-    assert [name(lr=3e-4), name(asks=3), name(plain_share=0)] == ["finetune-lr-0.0003", "finetune-asks-3",
-                                                                  "finetune-plain-0"]
+    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1)] == [
+        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1"]

@@ -72,12 +72,13 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
 
     # A lever's run goes to its own folder; with --plain-share 0, every example is an instruction.
     targets.clear()
-    run(finetune, monkeypatch, "--steps", "2", "--lr", "3e-4", "--asks", "2", "--plain-share", "0")
-    lever = read_checkpoint(learner / "checkpoints" / "finetune-lr-0.0003-asks-2-plain-0")["made_by"]
+    run(finetune, monkeypatch, "--steps", "2", "--lr", "3e-4", "--asks", "2", "--plain-share", "0", "--swap", "1")
+    lever = read_checkpoint(learner / "checkpoints" / "finetune-lr-0.0003-asks-2-plain-0-swap-1")["made_by"]
     assert lever["step"] == 2 and lever["settings"]["lr"] == 3e-4 and lever["settings"]["asks"] == 2
+    assert lever["settings"]["swap"] == 1
     assert [plain_rows(y) for y in targets] == [[False] * 16] * 2
     assert read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]["settings"]["lr"] == finetune.LR  # left alone
-    assert (learner / "runs" / "finetune-lr-0.0003-asks-2-plain-0").exists()
+    assert (learner / "runs" / "finetune-lr-0.0003-asks-2-plain-0-swap-1").exists()
 
 
 def plain_rows(targets):
@@ -96,7 +97,8 @@ def test_a_full_disk_stops_training_before_it_starts(script, learner, monkeypatc
         run(script, monkeypatch, "--steps", "2")
 
 
-@pytest.mark.parametrize("args", [["--lr", "0"], ["--asks", "0"], ["--plain-share", "0.01"], ["--plain-share", "0.99"]])
+@pytest.mark.parametrize("args", [["--lr", "0"], ["--asks", "0"], ["--plain-share", "0.01"], ["--plain-share", "0.99"],
+                                  ["--swap", "1.5"]])
 def test_a_lever_out_of_range_gets_one_line(args, learner, monkeypatch, capsys):
     monkeypatch.setattr(finetune, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
     with pytest.raises(SystemExit):
