@@ -8,8 +8,9 @@ tells them apart, and the instruction gives no pair. The pairs keep the stories'
 the model wrote them (decoding and encoding again could split the text differently), and
 their text, for people. They go to data/preferences.json with the settings that made them.
 
-load_asks() is here too: the training instructions, tokenized and grouped by their length
-in tokens, so that instructions of one length stack into a batch with no padding.
+load_asks() is here too: the training instructions (the first ASK_POOL of them), tokenized
+and grouped by their length in tokens, so that instructions of one length stack into a
+batch with no padding.
 
     python preferences.py --instructions 2000
 """
@@ -25,15 +26,19 @@ from model import CHECKPOINTS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, encode_prompt, write_stories
 
 STORIES = 4  # stories per instruction, from which the best and the worst make a pair
+# The training instructions the later episodes read, the first of the file: more than any run of
+# ours draws (GRPO's ten minutes take 512), and a cost that stays the same with the full data's
+# over half a million (the shared sample has 1,240).
+ASK_POOL = 20_000
 CHUNK = 32  # instructions written together, between progress lines
 SEED = 1337
 PAIRS = DATA / "preferences.json"
 
 
 def load_asks(tokenizer, path=DATA / "instructions.jsonl"):
-    """{length in tokens: [(prompt tokens, words), ...]} for the training instructions."""
+    """{length in tokens: [(prompt tokens, words), ...]} for the first ASK_POOL training instructions."""
     asks = {}
-    for example in read_instructions(path):
+    for example in read_instructions(path, limit=ASK_POOL):
         tokens = encode_prompt(tokenizer, example["instruction"])
         asks.setdefault(len(tokens), []).append((tokens, example["words"]))
     return asks
@@ -99,8 +104,8 @@ def main():
     device = pick_device(args.device)
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, device, tokenizer).eval()
-    # A fixed sample of the training instructions, the same for a seed.
-    examples = read_instructions()
+    # A fixed sample of the training instructions (of the first ASK_POOL), the same for a seed.
+    examples = read_instructions(limit=ASK_POOL)
     chosen = np.random.default_rng(SEED).permutation(len(examples))[:args.instructions]
     examples = [examples[i] for i in sorted(chosen)]
 

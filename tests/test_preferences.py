@@ -16,6 +16,13 @@ def test_asks_are_grouped_by_their_length_in_tokens(workspace, workspace_tokeniz
         assert torch.tensor([tokens for tokens, _ in group]).shape == (len(group), length)  # they stack
 
 
+def test_asks_are_the_first_of_the_pool_whatever_the_file_holds(workspace, workspace_tokenizer, monkeypatch):
+    monkeypatch.setattr(preferences, "ASK_POOL", 7)
+    asks = preferences.load_asks(workspace_tokenizer, workspace / "data" / "instructions.jsonl")
+    first = preferences.read_instructions(workspace / "data" / "instructions.jsonl")[:7]
+    assert sorted(words for group in asks.values() for _, words in group) == sorted(e["words"] for e in first)
+
+
 def test_a_pair_needs_a_better_and_a_worse_story():
     assert preferences.pick_pair([1 / 3, 1 / 3, 1 / 3, 1 / 3]) is None
     assert preferences.pick_pair([0.0, 2 / 3, 1 / 3, 2 / 3]) == (1, 0)
