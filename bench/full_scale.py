@@ -54,7 +54,7 @@ def renamed(story, copy):
     names = NAME.findall(story)
     if not names:
         return None
-    main = max(set(names), key=names.count)
+    main = max(sorted(set(names)), key=names.count)  # sorted: the same choice on every run
     return re.sub(rf"\b{main}\b", name(copy), story)
 
 
