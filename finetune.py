@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import SEED, ask, check_writable, instruction, load_tokenizer, read_instructions, read_words
+from data import SEED, WORD, ask, check_writable, instruction, load_tokenizer, read_instructions, read_words
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
@@ -93,7 +93,7 @@ def swap_nouns(example, nouns, share, seed):
     well the story is remembered. Other forms of the word ("kites" for "kite") stay as they are."""
     rng = random.Random(f"{seed}:{example['story']}")
     story, words = example["story"], list(example["words"])
-    in_story = set(re.findall(r"[a-z]+", story.lower()))
+    in_story = set(WORD.findall(story.lower()))
     for i, word in enumerate(words):
         if word not in nouns or rng.random() >= share:
             continue
