@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import machine
-from data import DATA, atomic
 from evaluate import model_name, table
+from files import DATA, atomic
 from model import CHECKPOINTS, RUNS
 from preferences import PAIRS
 

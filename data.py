@@ -32,34 +32,25 @@ dropped, and the count is printed. The tokenizer learns from the first
 TOKENIZER_MEGABYTES of train stories: plenty for 5,376 tokens, and minutes instead of an
 hour on the full 2.2 GB.
 
-Every file is written under a temporary name and renamed once whole (atomic(), which every
-script saves with), and one data.py at a time prepares a folder: a second stops with one line.
+The plumbing is files.py's: the download that resumes, each file written under a temporary
+name and renamed once whole, the manifest of the steps done, one data.py at a time per folder.
 
 Run:
     python data.py --source ../shared/data/tinystories     (a local copy; how CI runs)
     python data.py --megabytes 100                         (download the first 100 MB of train)
 """
 import argparse
-import errno
 import gzip
 import hashlib
-import itertools
 import json
-import os
 import random
 import re
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 import tokenizer as bpe
+from files import DATA, atomic, fetch, inputs_of, one_at_a_time, read_lines, run_step
 
-DATA = Path("data")
 TRAIN_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-train.txt"
 VALID_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-valid.txt"
 SEPARATOR = bpe.END_OF_TEXT
@@ -103,143 +94,16 @@ ANY_WORD = re.compile(r"[A-Za-z']+")
 ASKING = {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
           "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16],
           "determiners": sorted(DETERMINERS), "noun_share": NOUN_SHARE}
-# Why a write fails in one line, not a traceback: the disk is full, read-only, or not ours to write.
-UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM}
-STARTED = time.time()  # a temporary file last written before this is no save of this run's
-
-
-@contextmanager
-def atomic(path):
-    """Yields a temporary path beside `path`; it becomes `path` only if the block finishes,
-    so an interrupted run never leaves half a file under the real name. A full disk or a
-    folder it may not write in stops the run with one line, the file there before intact."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path.parent, f".{path.name}.*.tmp")
-        yield temporary
-        # On disk before the rename: after a power cut, the old file or the new, never an empty one.
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
-        if not refused(error, temporary):
-            raise
-        raise SystemExit(unwritable(path.parent, error)) from None
-    finally:
-        try:
-            temporary.unlink(missing_ok=True)
-        except OSError:  # a read-only disk: its error here would hide the one above
-            pass
-
-
-def refused(error, temporary):
-    """Whether the disk or the folder refused this write (a file the block reads keeps its own error)."""
-    named = error.filename is None or Path(error.filename) in (temporary, *temporary.parents)
-    return error.errno in UNWRITABLE and named
-
-
-def unwritable(folder, error):
-    if error.errno == errno.ENOSPC:
-        return f"no space left on the disk for {folder}; free some space, then run the command again"
-    return f"cannot write in {folder} ({error.strerror}); make it writable, then run the command again"
-
-
-def remove_stale(folder, pattern):
-    """Removes the temporary files in folder, matching pattern, that saves killed before their
-    rename left behind (a checkpoint's: 175 MB each): those last written before this process
-    started, as a save still running keeps writing to its own."""
-    for stale in Path(folder).glob(pattern):
-        try:
-            if stale.stat().st_mtime < STARTED:
-                stale.unlink()
-        except OSError:  # removed by another run meanwhile, or still open (Windows)
-            pass
-
-
-def check_writable(*folders):
-    """Stops with one line, before any training, when a folder cannot be saved into, rather
-    than when the first checkpoint is saved, after the training time is spent."""
-    for folder in folders:
-        probe = Path(folder) / ".writable"
-        with atomic(probe) as tmp:
-            tmp.write_bytes(b"\n")
-        probe.unlink(missing_ok=True)
-        # Any file's, too: a killed run's rollout-7.pt may never be saved again to clean its own.
-        remove_stale(folder, ".*.tmp")
 
 
 # ---------------------------------------------------------------- getting the text
 
-def fetch(url, path, limit=None):
-    """Downloads url to path, or its first `limit` bytes. A partial download waits in
-    path.part and is resumed with an HTTP Range request, so a dropped connection costs
-    nothing but the restart."""
-    if path.exists():
-        return path
-    part = path.with_name(path.name + ".part")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    have = part.stat().st_size if part.exists() else 0
-    if limit is None or have < limit:
-        have = receive(url, part, have, limit)
-    with open(part, "r+b") as file:
-        file.truncate(limit if limit is not None and have > limit else have)
-    if limit is not None:
-        cut_after_last_story(part)  # before the rename: the finished file holds whole stories only
-    os.replace(part, path)
-    return path
-
-
-def receive(url, part, have, limit):
-    """Appends what the server sends from byte `have` (up to `limit`) to part; returns its size."""
-    last = "" if limit is None else str(limit - 1)
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-{last}"} if have or limit else {})
-    try:
-        response = urllib.request.urlopen(request, timeout=60)
-    except urllib.error.HTTPError as error:
-        if error.code == 416:  # nothing left to send: the partial file is the whole file
-            return have
-        raise SystemExit(f"download of {url} failed: HTTP {error.code}; run again to resume, or use --source PATH")
-    except (urllib.error.URLError, OSError) as error:
-        raise SystemExit(f"cannot reach {url} ({error}); run again to resume, or use --source PATH")
-    with response:
-        if response.status != 206:  # the server ignored the range: start from the beginning
-            have = 0
-        size = response.headers.get("Content-Range", "").rpartition("/")[2]
-        total = int(size) if size.isdigit() else have + int(response.headers.get("Content-Length") or 0)
-        total = min(total, limit) if limit else total
-        start, started = have, time.time()
-        with open(part, "ab" if have else "wb") as file:
-            while limit is None or have < limit:
-                block = response.read(1 << 20)
-                if not block:
-                    break
-                file.write(block)
-                have += len(block)
-                speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
-                print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
-                      end="", flush=True)
-        print()
-    return have
-
-
-def cut_after_last_story(path):
-    """A download cut at N megabytes ends inside a story; keep only the whole stories."""
-    marker = f"\n{SEPARATOR}\n".encode()
-    with open(path, "r+b") as file:
-        size = file.seek(0, os.SEEK_END)
-        file.seek(max(0, size - (1 << 20)))
-        tail = file.read()
-        end = tail.rfind(marker)
-        if end >= 0:
-            file.truncate(size - len(tail) + end + len(marker))
-
-
 def download(folder, megabytes=None):
+    """TinyStories from its home into folder: the train stories (or those of its first
+    `megabytes`, cut after the last whole one) and the valid ones, marked as local_files marks them."""
     train_name = Path(TRAIN_URL).name if not megabytes else f"TinyStoriesV2-GPT4-train-first-{megabytes}MB.txt"
     train = folder / train_name
-    fetch(TRAIN_URL, train, megabytes * 1_000_000 if megabytes else None)
+    fetch(TRAIN_URL, train, megabytes * 1_000_000 if megabytes else None, f"\n{SEPARATOR}\n".encode())
     valid = fetch(VALID_URL, folder / Path(VALID_URL).name)
     return [("train", train), ("valid", valid)]
 
@@ -288,14 +152,6 @@ def read_stories(path):
         first_bad = first_bad or offset
     if bad:
         print(f"  {path.name}: dropped {bad} stories that are not valid UTF-8 (the first near byte {first_bad:,})")
-
-
-def read_lines(file, path):
-    """The lines of a file; a damaged or cut-off .gz stops with one line."""
-    try:
-        yield from file
-    except (OSError, EOFError) as error:
-        raise SystemExit(f"{path} is damaged ({error}); download or copy it again")
 
 
 def fingerprint(text):
@@ -387,22 +243,6 @@ def write_words(path, askable, nouns):
         tmp.write_text(json.dumps({"askable": sorted(askable), "nouns": sorted(nouns)}, indent=0) + "\n")
 
 
-def read_words(path=DATA / "words.json"):
-    """The askable words and the nouns among them, as data.py counted them in the train stories
-    once, so that no script counts them again at its start."""
-    if not Path(path).exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
-    try:
-        words = json.loads(Path(path).read_text())
-        askable, nouns = set(words["askable"]), set(words["nouns"])
-    except (ValueError, KeyError, TypeError):
-        raise SystemExit(f"{path} is damaged; make it again with python data.py") from None
-    if not askable or not nouns <= askable:
-        raise SystemExit(f"{path} is damaged (no askable words, or nouns that are not among them); "
-                         "make it again with python data.py")
-    return askable, nouns
-
-
 def pick_words(story, askable, seed=SEED):
     """Three distinct askable words that the story uses, the same for a story and a seed
     whatever the order of the file; None when the story has fewer than three."""
@@ -431,24 +271,6 @@ def write_instructions(out, askable):
                 file.write(json.dumps(example, ensure_ascii=False) + "\n")
                 count += 1
     return count
-
-
-def read_instructions(path=DATA / "instructions.jsonl", limit=None):
-    """The training instructions, or the first `limit` of them, each a dict with words,
-    instruction and story; read line by line, so that a limit reads no further than it needs."""
-    if not Path(path).exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
-    check_made(path)  # not cut short since data.py made it
-    with open(path, encoding="utf-8") as file:
-        try:
-            instructions = [json.loads(line) for line in itertools.islice(file, limit)]
-        except ValueError as error:
-            raise SystemExit(f"{path} is damaged ({error}); make it again with python data.py")
-    if not instructions:
-        raise SystemExit(f"{path} holds no instructions; prepare the data again with python data.py")
-    if not all(isinstance(i, dict) and {"words", "instruction", "story"} <= i.keys() for i in instructions):
-        raise SystemExit(f"{path} has a line without its words, instruction and story; make it again with python data.py")
-    return instructions
 
 
 def draw_heldout(valid_path, askable):
@@ -503,117 +325,7 @@ def well_formed(example):
             and isinstance(example.get("story"), str))
 
 
-# ---------------------------------------------------------------- tokens
-
-def load_tokenizer(folder=DATA):
-    path = Path(folder) / "tokenizer.json"
-    if not path.exists():
-        raise SystemExit(f"no tokenizer at {path}: make it with python data.py --source PATH (or python data.py)")
-    return bpe.Tokenizer.load(path)
-
-
-def write_tokens(stories_path, bin_path, tokenizer):
-    """Step 4: every story, an end-of-text before it, as uint16 tokens in one flat file,
-    which train.py reads as a numpy memmap without loading it."""
-    count = 0
-    with atomic(bin_path) as tmp, open(tmp, "wb") as file:
-        buffer = []
-        for story in stories(stories_path):
-            buffer.append(tokenizer.eot)
-            buffer.extend(tokenizer.encode(story))
-            if len(buffer) > 1 << 20:
-                np.array(buffer, dtype=np.uint16).tofile(file)
-                count += len(buffer)
-                buffer = []
-        np.array(buffer, dtype=np.uint16).tofile(file)
-        count += len(buffer)
-    return count
-
-
-# ---------------------------------------------------------------- skipping what is done
-
-def inputs_of(*paths, **settings):
-    """What a step depends on: its input files (name, size, time) and its settings."""
-    files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths if Path(p).exists()]
-    # Through JSON and back, so that it compares equal to what the manifest read from disk.
-    return json.loads(json.dumps({"files": files, "settings": settings}))
-
-
-def outputs_of(paths):
-    """What a step made: each output's size and a hash of its bytes (None for one that is
-    missing), so that a file cut short or damaged since then is made again."""
-    return {Path(p).name: [Path(p).stat().st_size, file_hash(p)] if Path(p).exists() else None for p in paths}
-
-
-def file_hash(path):
-    """A hash of a file's bytes, read a megabyte at a time (a token file is a gigabyte)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def read_manifest(out):
-    """What each step last ran on and made; nothing (so every step runs) if it is missing or damaged."""
-    try:
-        done = json.loads((Path(out) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return done if isinstance(done, dict) and all(isinstance(step, dict) for step in done.values()) else {}
-
-
-def run_step(out, step, inputs, outputs, make):
-    """Runs make() unless the manifest says this step already ran on the same inputs() and its
-    outputs are still the files it made. The inputs are read again after the step, for a step
-    may make one (heldout.json)."""
-    done = read_manifest(out)
-    last = done.get(step, {})
-    if last.get("inputs") == inputs() and last.get("outputs") == outputs_of(outputs):
-        print(f"{step}: up to date ({', '.join(Path(p).name for p in outputs)})")
-        return
-    started = time.time()
-    print(f"{step}: {make()} ({time.time() - started:.1f} s)")
-    done[step] = {"inputs": inputs(), "outputs": outputs_of(outputs)}
-    with atomic(out / "manifest.json") as tmp:
-        tmp.write_text(json.dumps(done, indent=1) + "\n")
-
-
-def check_made(path):
-    """Stops with one line when a file of the data folder is not the size data.py made it
-    (cut short by a full disk, or a copy): read as it is, it would silently be less data."""
-    path = Path(path)
-    for step in read_manifest(path.parent).values():
-        made = step.get("outputs", {}).get(path.name)
-        if made and made[0] != path.stat().st_size:
-            raise SystemExit(f"{path} is {path.stat().st_size:,} bytes where data.py made {made[0]:,}; "
-                             "make it again with python data.py")
-
-
-@contextmanager
-def one_at_a_time(out):
-    """Holds the data folder while this run prepares it: a second data.py on the same folder
-    stops with one line, where both would write its files and the manifest of one could name
-    the data of the other. The lock is the operating system's, so a killed run leaves none."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a") as file:
-        try:
-            lock(file)
-        except OSError:
-            raise SystemExit(f"another python data.py is preparing {out}; wait for it to end, "
-                             "or give this one another --out") from None
-        yield
-
-
-def lock(file):
-    """Locks an open file for this process, or raises OSError when another process holds it."""
-    if os.name == "nt":
-        import msvcrt
-        msvcrt.locking(file.fileno(), msvcrt.LK_NBLCK, 1)
-    else:
-        import fcntl
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
+# ---------------------------------------------------------------- the four steps
 
 def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
     """The four steps, each skipped when its inputs haven't changed since the last run and
@@ -653,26 +365,17 @@ def make_instructions(out):
     return f"{len(askable):,} askable words ({len(nouns):,} of them nouns); {count:,} train instructions"
 
 
-def first_megabytes(texts, megabytes):
-    budget = megabytes * 1_000_000
-    for text in texts:
-        budget -= len(text.encode("utf-8"))
-        if budget < 0:
-            return
-        yield text
-
-
 def make_tokenizer(out, vocab_size):
-    tokenizer = bpe.train(first_megabytes(stories(out / "train.txt"), TOKENIZER_MEGABYTES), vocab_size)
+    tokenizer = bpe.train(bpe.first_megabytes(stories(out / "train.txt"), TOKENIZER_MEGABYTES), vocab_size)
     with atomic(out / "tokenizer.json") as tmp:
         tokenizer.save(tmp)
     return f"{tokenizer.vocab_size} tokens in tokenizer.json"
 
 
 def make_tokens(out):
-    tokenizer = load_tokenizer(out)
-    train = write_tokens(out / "train.txt", out / "train.bin", tokenizer)
-    valid = write_tokens(out / "valid.txt", out / "valid.bin", tokenizer)
+    tokenizer = bpe.load_tokenizer(out)
+    train = bpe.write_tokens(stories(out / "train.txt"), out / "train.bin", tokenizer)
+    valid = bpe.write_tokens(stories(out / "valid.txt"), out / "valid.bin", tokenizer)
     return f"{train:,} train and {valid:,} valid tokens"
 
 

@@ -37,12 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
-from data import check_writable, instruction, load_tokenizer
+from data import instruction
 from evaluate import heldout_stories, load_instructions, words_used
+from files import check_writable
 from finetune import collate
 from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
 from preferences import load_pairs
 from sample import encode_prompt, write
+from tokenizer import load_tokenizer
 from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model

@@ -38,9 +38,11 @@ import json
 import re
 from pathlib import Path
 
-from data import HELDOUT, WORD, atomic, load_tokenizer, read_heldout
+from data import HELDOUT, WORD, read_heldout
+from files import atomic
 from model import RUNS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, write_stories
+from tokenizer import load_tokenizer
 from train import load_tokens, valid_loss
 
 SEED = 0  # the same stories for a model every time it is measured

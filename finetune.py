@@ -47,9 +47,11 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import SEED, WORD, ask, check_writable, instruction, load_tokenizer, read_instructions, read_words
+from data import SEED, WORD, ask, instruction
+from files import check_writable, read_instructions, read_words
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
+from tokenizer import load_tokenizer
 from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
                    train_step, training_parser, valid_loss)
 

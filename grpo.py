@@ -25,9 +25,9 @@ Where this departs from the paper and from the frameworks:
 - With --kl 0 there is no penalty (DAPO's choice), but the reference stays, to measure how
   far the policy drifts.
 - The evaluation each EVAL_EVERY rollouts, the log of each rollout and the end of a run
-  are PPO's: evaluate (DPO's, which PPO uses too: dpo.words_rate on the held-out
-  instructions and the demo story, written with sample.write), ppo.log_rollout and
-  ppo.finish; so is the checkpoint each evaluation saves, with what --resume needs. So are
+  are PPO's, shared in rl.py: evaluate (DPO's, which PPO uses too: dpo.words_rate on the
+  held-out instructions and the demo story, written with sample.write), rl.log_rollout and
+  rl.finish; so is the checkpoint each evaluation saves, with what --resume needs. So are
   the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO trains at
   PPO's rate.
 
@@ -41,13 +41,16 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import check_writable, load_tokenizer
+from dpo import evaluate
 from evaluate import load_instructions, words_used
+from files import check_writable
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
-from ppo import (CLIP, EPOCHS, EVAL_EVERY, MINIBATCH, clip_stats, evaluate, finish, log_rollout, pack,
-                 parse_rl_args, resume, rl_parser, rollout_stats, run_name, save_rollout, token_logprobs)
+from ppo import CLIP, EPOCHS, LR, MINIBATCH, pack, token_logprobs
 from preferences import load_asks
+from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
+                run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end
+from tokenizer import load_tokenizer
 from train import optimizer_step
 
 PROMPTS = 16  # instructions per rollout
@@ -101,10 +104,10 @@ def grpo_loss(new, old, ref, advantages, mask, kl):
 
 
 def main():
-    args = parse_rl_args(rl_parser("Train the fine-tuned model with GRPO against the words-used reward."))
+    args = parse_rl_args(rl_parser("Train the fine-tuned model with GRPO against the words-used reward.", LR))
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
-    name = run_name(args)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
+    name = run_name(args, LR)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
     settings = {**vars(args), "script": "grpo.py", "device": str(device), "precision": precision, "clip": CLIP,
                 "epochs": EPOCHS, "minibatch": MINIBATCH, "prompts": PROMPTS, "group": GROUP,
                 "max_new_tokens": MAX_NEW_TOKENS}
@@ -162,7 +165,7 @@ def main():
                 loss, ratio = grpo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], args.kl)
                 # PPO's step: zero the gradients, backward, clip them at 1, and the optimiser's step.
                 optimizer_step(policy, optimizer, loss, args.lr)
-                stats.append(clip_stats(ratio, advantages[rows, None].expand_as(ratio), mask[rows]))
+                stats.append(clip_stats(ratio, advantages[rows, None].expand_as(ratio), mask[rows], CLIP))
 
         # How far the policy that wrote this rollout had drifted, as in PPO: KL per story, summed over tokens.
         r = ref - old

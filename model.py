@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import atomic
+from files import atomic
 from tokenizer import VOCAB_SIZE
 
 CHECKPOINTS = Path("checkpoints")

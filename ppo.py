@@ -34,17 +34,15 @@ Choices of ours, where the usual recipe leaves room:
 - Log-probabilities in float32; the matrix products in bfloat16 where the device does them
   faster (model.default_precision), as bench/rollout.py measures.
 
-Exported for GRPO: CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs(); and what both
-scripts do around their loop: rl_parser(), save_rollout(), resume(), log_rollout(), finish(),
-and the figures logged under TRL's names, clip_stats() and rollout_stats(). The evaluation is
-DPO's (dpo.evaluate: the held-out words and the demo story), counted in rollouts.
+Exported for GRPO: CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs(). What both
+scripts do around their loop (the options, the figures logged under TRL's names, the
+checkpoints, --resume and the end of a run) is rl.py's. The evaluation is DPO's
+(dpo.evaluate: the held-out words and the demo story), counted in rollouts.
 
     python ppo.py --minutes 10 --kl 0.05
 """
-import argparse
 import copy
 import json
-import math
 import time
 
 import numpy as np
@@ -52,14 +50,16 @@ import torch
 import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 
-from data import check_writable, load_tokenizer
 from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
+from files import check_writable
 from finetune import collate
-from model import (CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, read_checkpoint,
-                   save_checkpoint)
+from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
 from preferences import load_asks
+from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
+                run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end
+from tokenizer import load_tokenizer
 from train import optimizer_step
 
 CLIP = 0.2  # how far one rollout may move a token's probability, as a ratio: 0.8 to 1.2
@@ -68,43 +68,6 @@ LR = 5e-5  # AdamW's learning rate, no weight decay
 MINIBATCH = 16  # stories per update
 VALUE_WEIGHT = 0.5  # the critic's squared error, next to the policy's loss
 BATCHES, PER_BATCH = 16, 8  # a rollout: 16 batches of 8 instructions of one length, 128 stories
-EVAL_EVERY = 10  # rollouts
-SEED = 1337
-
-
-def rl_parser(description):
-    """The options of ppo.py and grpo.py."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--minutes", type=float, default=10, help="training time (default 10)")
-    parser.add_argument("--kl", type=float, default=0.05, help="the KL penalty's weight (default 0.05)")
-    parser.add_argument("--lr", type=float, default=LR, help=f"the learning rate (default {LR:g}, PPO's); "
-                        "another one gets its own folder")
-    parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED}; another seed gets its own folder")
-    parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], help="default: bf16 where it is faster")
-    parser.add_argument("--rollouts", type=int, default=math.inf, help="stop after this many rollouts, if sooner")
-    parser.add_argument("--resume", action="store_true", help="go on from the run's last rollout checkpoint")
-    return parser
-
-
-def parse_rl_args(parser):
-    args = parser.parse_args()
-    if not 0 < args.minutes < math.inf:
-        parser.error("--minutes must be a positive number")
-    if not 0 <= args.kl < math.inf:
-        parser.error("--kl must be a number, 0 or more")
-    if not 0 < args.lr < math.inf:
-        parser.error("--lr must be a positive number")
-    if args.rollouts < 1:
-        parser.error("--rollouts must be at least 1")
-    return args
-
-
-def run_name(args):
-    """The run's folder, named after its KL weight: kl-0.05, kl-0; kl-0.05-seed-2 for another
-    seed, kl-0.05-lr-1e-05 for another learning rate."""
-    return (f"kl-{args.kl:g}" + (f"-lr-{args.lr:g}" if args.lr != LR else "")
-            + (f"-seed-{args.seed}" if args.seed != SEED else ""))
 
 
 @torch.no_grad()
@@ -160,76 +123,11 @@ def value_loss(values, rewards, mask):
     return ((values - rewards[:, None]) ** 2 * mask).sum() / mask.sum()
 
 
-def clip_stats(ratio, advantages, mask):
-    """Where the clip binds, as shares of the story tokens, by TRL's names: from below (the
-    ratio under 1 - CLIP with a negative advantage) and from above (over 1 + CLIP, positive).
-    A ratio outside the band whose advantage points back inside is not clipped."""
-    low = masked_mean(((ratio < 1 - CLIP) & (advantages < 0)).float(), mask)
-    high = masked_mean(((ratio > 1 + CLIP) & (advantages > 0)).float(), mask)
-    return {"clip_ratio/low": low, "clip_ratio/high": high, "clip_ratio/region": low + high}
-
-
-def rollout_stats(stories, old, mask, eot):
-    """What TRL logs of the stories: their mean length, the share cut at the token limit, and
-    the policy's entropy per token, estimated as the mean of -log p over the tokens it drew
-    (at temperature 1 with no top-k, that mean estimates the entropy without bias)."""
-    return {"completions/mean_length": float(mask.sum(dim=1).mean()),
-            "completions/clipped_ratio": sum(eot not in story for story in stories) / len(stories),
-            "entropy": masked_mean(-old, mask)}
-
-
-def masked_mean(values, mask):
-    return float((values * mask).sum() / mask.sum())
-
-
-def log_rollout(writer, rollout, logged, line):
-    """A rollout's figures, under rollout/ in TensorBoard, and its line in the log."""
-    for key, value in logged.items():
-        writer.add_scalar(f"rollout/{key}", value, rollout)
-    print(f"rollout {rollout}: {line}", flush=True)
-
-
-def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, settings, **state):
-    """A checkpoint named after the rollout, with all a resumed run needs: the optimizer, the
-    random state, the rollouts and seconds so far (and PPO's critic)."""
-    made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
-    save_checkpoint(folder / f"rollout-{rollout}.pt", policy, tokenizer, made_by, optimizer,
-                    numpy_random=rng.bit_generator.state, torch_random=torch.get_rng_state(), **state)
-
-
-def resume(folder, policy, optimizer, rng):
-    """Loads the run's last rollout checkpoint into policy, optimizer and random state;
-    returns the checkpoint, whose made_by holds the rollouts and seconds so far."""
-    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    if not saved:
-        raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
-    checkpoint = read_checkpoint(saved[-1])
-    policy.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    rng.bit_generator.state = checkpoint["numpy_random"]
-    torch.set_rng_state(checkpoint["torch_random"])
-    made_by = checkpoint["made_by"]
-    print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
-    return checkpoint
-
-
-def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
-    """The end of a run: the final model measured (if the last rollout wasn't), the writer
-    closed, and the model saved in the run's folder."""
-    if rollout % EVAL_EVERY:
-        evaluate_and_save()
-    writer.close()
-    seconds = time.time() - start
-    made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
-    save_checkpoint(folder, policy, tokenizer, made_by)
-    print(f"done: {rollout} rollouts, {seconds / 60:.1f} minutes; the model is in {folder}/model.pt")
-
-
 def main():
-    args = parse_rl_args(rl_parser("Train the fine-tuned model with PPO against the words-used reward."))
+    args = parse_rl_args(rl_parser("Train the fine-tuned model with PPO against the words-used reward.", LR))
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
-    name = run_name(args)
+    name = run_name(args, LR)
     settings = {**vars(args), "script": "ppo.py", "device": str(device), "precision": precision, "clip": CLIP,
                 "epochs": EPOCHS, "minibatch": MINIBATCH, "value_weight": VALUE_WEIGHT,
                 "stories": BATCHES * PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS}
@@ -299,7 +197,7 @@ def main():
                 critic_loss = value_loss(values_now, R[rows], mask[rows])
                 # One step for both: the policy's loss and the critic's error, at VALUE_WEIGHT.
                 optimizer_step(trained, optimizer, policy_loss + VALUE_WEIGHT * critic_loss, args.lr)
-                stats.append({"value_loss": critic_loss.item(), **clip_stats(ratio, advantages[rows], mask[rows])})
+                stats.append({"value_loss": critic_loss.item(), **clip_stats(ratio, advantages[rows], mask[rows], CLIP)})
 
         # How far the policy that wrote this rollout had drifted: its KL per story, summed over tokens.
         r = ref - old

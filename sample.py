@@ -25,8 +25,9 @@ from itertools import groupby
 
 import torch
 
-from data import instruction, load_tokenizer
+from data import instruction
 from model import CHECKPOINTS, load_checkpoint, pick_device
+from tokenizer import load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes

@@ -13,8 +13,9 @@ of punctuation, of spaces) and merges never cross a chunk's edge, so " kite" get
 while "kite." needs two. GPT-2's pattern needs the third-party `regex` module for \\p{L};
 ours says the same with the standard library's `re` ([^\\W\\d_] is "a letter").
 
-This file is a library: data.py trains it on data/train.txt and writes the token files.
-To see how a text splits into tokens, once data.py has run:
+This file is a library: data.py trains it on data/train.txt and writes the token files
+with write_tokens(), and every later script loads it with load_tokenizer(). To see how a
+text splits into tokens, once data.py has run:
 
     python tokenizer.py "Once upon a time, a kite flew over the river."
 """
@@ -24,6 +25,11 @@ import json
 import re
 import sys
 from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from files import DATA, atomic
 
 VOCAB_SIZE = 5376  # 256 bytes, 5119 merges, and <|endoftext|>
 END_OF_TEXT = "<|endoftext|>"
@@ -162,9 +168,43 @@ def train(texts, vocab_size=VOCAB_SIZE, progress=True):
     return Tokenizer(merges)
 
 
-if __name__ == "__main__":
-    from data import load_tokenizer
+def first_megabytes(texts, megabytes):
+    budget = megabytes * 1_000_000
+    for text in texts:
+        budget -= len(text.encode("utf-8"))
+        if budget < 0:
+            return
+        yield text
 
+
+# ---------------------------------------------------------------- the data folder's tokenizer and token files
+
+def load_tokenizer(folder=DATA):
+    path = Path(folder) / "tokenizer.json"
+    if not path.exists():
+        raise SystemExit(f"no tokenizer at {path}: make it with python data.py --source PATH (or python data.py)")
+    return Tokenizer.load(path)
+
+
+def write_tokens(stories, bin_path, tokenizer):
+    """Step 4 of data.py: every story, an end-of-text before it, as uint16 tokens in one flat
+    file, which train.py reads as a numpy memmap without loading it."""
+    count = 0
+    with atomic(bin_path) as tmp, open(tmp, "wb") as file:
+        buffer = []
+        for story in stories:
+            buffer.append(tokenizer.eot)
+            buffer.extend(tokenizer.encode(story))
+            if len(buffer) > 1 << 20:
+                np.array(buffer, dtype=np.uint16).tofile(file)
+                count += len(buffer)
+                buffer = []
+        np.array(buffer, dtype=np.uint16).tofile(file)
+        count += len(buffer)
+    return count
+
+
+if __name__ == "__main__":
     tokenizer = load_tokenizer()
     text = " ".join(sys.argv[1:]) or "Once upon a time, a kite flew over the river."
     tokens = tokenizer.encode(text)

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from data import DATA, check_made, check_writable, load_tokenizer
+from files import DATA, check_made, check_writable
 from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
                    read_checkpoint, save_checkpoint)
 from sample import write
+from tokenizer import load_tokenizer
 
 BATCH = 16  # windows per step
 CONTEXT = Config.context  # tokens per window, the model's whole context: a story, often with the next one's start

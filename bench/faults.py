@@ -31,8 +31,9 @@ sys.path.insert(0, str(REPOSITORY))
 import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
-from data import DATA, load_tokenizer  # noqa: E402
+from files import DATA  # noqa: E402
 from model import GPT, TINY, Config, read_checkpoint, save_checkpoint  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 from train import make_optimizer  # noqa: E402
 
 # Each script with the options of a run of a few seconds; those that resume name how.

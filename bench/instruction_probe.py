@@ -22,11 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import atomic, load_tokenizer, read_instructions  # noqa: E402
 from evaluate import model_name, saved_name  # noqa: E402
+from files import atomic, read_instructions  # noqa: E402
 from finetune import HELD_BACK, SEED  # noqa: E402
 from model import RUNS, load_checkpoint  # noqa: E402
 from sample import encode_prompt  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 
 def first_uses(model, tokenizer, prompt, example):

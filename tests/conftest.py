@@ -57,6 +57,7 @@ def workspace(tmp_path_factory):
 
     import data
     from model import GPT, TINY, Config, save_checkpoint
+    from tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("workspace")
     rng = random.Random(1)
@@ -65,7 +66,7 @@ def workspace(tmp_path_factory):
     write_corpus(source / "train.txt", [make_story(rng) for _ in range(1200)])  # a quarter for fine-tuning
     write_corpus(source / "valid.txt", [make_story(rng) for _ in range(120)])
     data.prepare(data.local_files(source), root / "data", vocab_size=400, heldout=root / "heldout.json")
-    tokenizer = data.load_tokenizer(root / "data")
+    tokenizer = load_tokenizer(root / "data")
     torch.manual_seed(0)
     model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
     save_checkpoint(root / "checkpoints" / "finetune", model, tokenizer, {"script": "conftest", "step": 0})
@@ -74,7 +75,7 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture
 def workspace_tokenizer(workspace):
-    from data import load_tokenizer
+    from tokenizer import load_tokenizer
 
     return load_tokenizer(workspace / "data")
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import tokenizer as bpe
-from data import check_writable
 from model import GPT, TINY, Config, checkpoint_file, load_checkpoint, read_checkpoint, save_checkpoint
 
 
@@ -130,18 +129,6 @@ def test_a_save_the_disk_refuses_stops_with_one_line_and_keeps_the_checkpoint(sm
     assert saved_step(path) == 1
 
 
-def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
-    check_writable(tmp_path / "checkpoints" / "pretrain", tmp_path / "runs")
-    assert [p.name for p in (tmp_path / "checkpoints" / "pretrain").iterdir()] == []
-
-    def full(fd):  # a full disk may refuse the bytes only when they are written out
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(SystemExit, match="no space left on the disk for .*checkpoints"):
-        check_writable(tmp_path / "checkpoints" / "pretrain")
-
-
 def test_temporary_files_of_killed_saves_are_removed_and_a_save_is_on_disk_before_its_rename(
         small_model, small_tokenizer, tmp_path, monkeypatch):
     stale, running = tmp_path / ".model.pt.99999.tmp", tmp_path / ".model.pt.88888.tmp"
@@ -155,14 +142,3 @@ def test_temporary_files_of_killed_saves_are_removed_and_a_save_is_on_disk_befor
     save_checkpoint(tmp_path / "model.pt", small_model, small_tokenizer, {"script": "test", "step": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "model.pt"]
     assert calls == ["fsync", "replace"]
-
-
-def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_path):
-    # A run killed while saving rollout-7.pt, resumed from rollout-0.pt: nothing saves rollout-7.pt again.
-    stale, running = tmp_path / ".rollout-7.pt.99999.tmp", tmp_path / ".rollout-9.pt.88888.tmp"
-    stale.write_bytes(b"half of a checkpoint, from a run killed yesterday")
-    an_hour_ago = time.time() - 3600
-    os.utime(stale, (an_hour_ago, an_hour_ago))
-    running.write_bytes(b"a save that another run is writing now")
-    check_writable(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [running.name]

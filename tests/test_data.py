@@ -1,13 +1,13 @@
 import gzip
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
 import data
+import files
+import tokenizer as bpe
 from conftest import NAMES
 from data import SEPARATOR, STOP_WORDS
 
@@ -40,7 +40,7 @@ def test_split_keeps_train_tune_and_valid_apart(corpus, prepared):
 
 def test_instructions_come_from_the_stories_kept_out_of_pretraining(prepared):
     tune = set(read(prepared / "tune.txt"))
-    stories = [e["story"] for e in data.read_instructions(prepared / "instructions.jsonl")]
+    stories = [e["story"] for e in files.read_instructions(prepared / "instructions.jsonl")]
     assert stories and set(stories) <= tune
 
 
@@ -55,17 +55,17 @@ def test_the_nouns_are_the_askable_words_that_mostly_come_after_a_determiner(tmp
 
 
 def test_words_json_holds_the_askable_words_and_their_nouns_and_a_damaged_one_is_refused(prepared):
-    askable, nouns = data.read_words(prepared / "words.json")
+    askable, nouns = files.read_words(prepared / "words.json")
     assert askable == data.askable_words(prepared / "train.txt")
     assert nouns == data.nouns_among(prepared / "train.txt", askable) and nouns  # the test corpus's nouns
     (prepared / "words.json").write_text('{"askable": ["kite"], "nouns": ["river"]}')
     with pytest.raises(SystemExit, match="damaged.*python data.py"):
-        data.read_words(prepared / "words.json")
+        files.read_words(prepared / "words.json")
     (prepared / "words.json").write_text('{"askable": ')
     with pytest.raises(SystemExit, match="damaged; make it again with python data.py"):
-        data.read_words(prepared / "words.json")
+        files.read_words(prepared / "words.json")
     with pytest.raises(SystemExit, match="no .*words.json: make it with python data.py"):
-        data.read_words(prepared / "missing" / "words.json")
+        files.read_words(prepared / "missing" / "words.json")
 
 
 def test_a_limit_reads_the_first_instructions_and_no_further(prepared):
@@ -73,9 +73,9 @@ def test_a_limit_reads_the_first_instructions_and_no_further(prepared):
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     lines[5] = "x" + lines[5][1:]  # damaged past the limit, its size unchanged
     path.write_text("".join(lines), encoding="utf-8")
-    assert data.read_instructions(path, limit=5) == [json.loads(line) for line in lines[:5]]
+    assert files.read_instructions(path, limit=5) == [json.loads(line) for line in lines[:5]]
     with pytest.raises(SystemExit, match="damaged"):
-        data.read_instructions(path)
+        files.read_instructions(path)
 
 
 def test_lowercased_file_is_left_out(prepared):
@@ -178,21 +178,21 @@ def test_a_damaged_heldout_file_is_refused(tmp_path):
 
 def test_instructions_read_back_as_written_and_bad_files_are_refused(prepared, tmp_path):
     lines = (prepared / "instructions.jsonl").read_text().splitlines()
-    assert data.read_instructions(prepared / "instructions.jsonl") == [json.loads(line) for line in lines]
+    assert files.read_instructions(prepared / "instructions.jsonl") == [json.loads(line) for line in lines]
     with pytest.raises(SystemExit, match="make it with python data.py"):
-        data.read_instructions(tmp_path / "missing.jsonl")
+        files.read_instructions(tmp_path / "missing.jsonl")
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text(lines[0] + "\n" + lines[1][:20] + "\n")  # cut off mid-line
     with pytest.raises(SystemExit, match="damaged"):
-        data.read_instructions(damaged)
+        files.read_instructions(damaged)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SystemExit, match="no instructions"):
-        data.read_instructions(empty)
+        files.read_instructions(empty)
 
 
 def test_token_files_hold_every_story_after_an_end_of_text(prepared):
-    tokenizer = data.load_tokenizer(prepared)
+    tokenizer = bpe.load_tokenizer(prepared)
     tokens = np.memmap(prepared / "valid.bin", dtype=np.uint16, mode="r")
     expected = "".join(SEPARATOR + s for s in read(prepared / "valid.txt"))
     assert tokens[0] == tokenizer.eot
@@ -212,97 +212,6 @@ def test_changed_source_is_prepared_again(corpus, prepared, capsys):
     prepare(corpus, prepared)
     assert re.search(r"stories: (\d+) train, (\d+) fine-tuning", capsys.readouterr().out)
     assert len(read(prepared / "train.txt")) + len(read(prepared / "tune.txt")) == 401
-
-
-def test_tokenizer_learns_from_the_first_megabytes_only():
-    texts = ["a" * 400_000, "b" * 400_000, "c" * 400_000]
-    assert list(data.first_megabytes(iter(texts), 1)) == texts[:2]
-
-
-def test_missing_tokenizer_names_the_command(tmp_path):
-    with pytest.raises(SystemExit, match="python data.py"):
-        data.load_tokenizer(tmp_path)
-
-
-# ---------------------------------------------------------------- download, against a local server
-
-class Server:
-    """Serves one file over HTTP on 127.0.0.1, honouring Range requests, and records them."""
-
-    def __init__(self, content):
-        self.content, self.ranges = content, []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                header = self.headers.get("Range")
-                server.ranges.append(header)
-                start, end = 0, len(server.content) - 1
-                if header:
-                    first, _, last = header.removeprefix("bytes=").partition("-")
-                    start, end = int(first), int(last) if last else end
-                    if start >= len(server.content):
-                        self.send_response(416)
-                        self.end_headers()
-                        return
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(server.content)}")
-                else:
-                    self.send_response(200)
-                self.send_header("Content-Length", str(end - start + 1))
-                self.end_headers()
-                self.wfile.write(server.content[start:end + 1])
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/TinyStories-train.txt"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def server():
-    content = "".join(f"Story number {i} about a kite.\n{SEPARATOR}\n" for i in range(100_000)).encode()
-    server = Server(content)
-    yield server
-    server.close()
-
-
-def test_download_resumes_from_a_partial_file(server, tmp_path, capsys):
-    path = tmp_path / "train.txt"
-    partial = 1_234_567
-    (tmp_path / "train.txt.part").write_bytes(server.content[:partial])
-    data.fetch(server.url, path)
-    assert server.ranges == [f"bytes={partial}-"]
-    assert path.read_bytes() == server.content
-    assert not (tmp_path / "train.txt.part").exists()
-    assert "MB/s" in capsys.readouterr().out
-
-
-def test_download_of_the_first_megabytes_keeps_whole_stories(server, tmp_path):
-    path = tmp_path / "train.txt"
-    data.fetch(server.url, path, limit=1_000_000)
-    assert server.ranges == ["bytes=0-999999"]
-    text = path.read_text()
-    assert 999_000 < len(text) <= 1_000_000
-    assert text.endswith(f"{SEPARATOR}\n") and server.content.decode().startswith(text)
-
-
-def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
-    (tmp_path / "train.txt.part").write_bytes(server.content)
-    data.fetch(server.url, tmp_path / "train.txt")
-    assert server.ranges == [f"bytes={len(server.content)}-"]
-    assert (tmp_path / "train.txt").read_bytes() == server.content
-
-
-def test_unreachable_server_says_what_to_do(tmp_path):
-    with pytest.raises(SystemExit, match="--source"):
-        data.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")
 
 
 # ---------------------------------------------------------------- damaged outputs, two runs at once
@@ -342,11 +251,11 @@ def test_a_damaged_manifest_runs_every_step_again(corpus, prepared, capsys):
 def test_a_second_data_py_on_the_same_folder_is_refused(corpus, tmp_path, monkeypatch):
     out = tmp_path / "data"
     monkeypatch.setattr("sys.argv", ["data.py", "--source", str(corpus), "--out", str(out)])
-    with data.one_at_a_time(out):
+    with files.one_at_a_time(out):
         with pytest.raises(SystemExit, match="another python data.py is preparing"):
             data.main()
     assert not (out / "manifest.json").exists()
-    with data.one_at_a_time(out):  # let go when the first run ends
+    with files.one_at_a_time(out):  # let go when the first run ends
         pass
 
 

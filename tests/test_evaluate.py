@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import evaluate
-from data import load_tokenizer
 from evaluate import load_instructions, measure, model_name, words_used
 from model import load_checkpoint
+from tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("story, share", [

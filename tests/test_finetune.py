@@ -6,9 +6,11 @@ import torch
 
 import finetune
 import train
-from data import SEED, load_tokenizer, read_instructions, read_words
+from data import SEED
+from files import read_instructions, read_words
 from model import GPT, TINY, Config
 from sample import encode_prompt
+from tokenizer import load_tokenizer
 
 
 def test_only_the_story_and_its_end_are_targets():

@@ -6,6 +6,7 @@ import torch
 
 import model as gpt
 import ppo
+import rl
 from model import GPT, TINY, Config, autocast, read_checkpoint
 
 
@@ -127,7 +128,7 @@ def test_clip_stops_the_gradient_past_the_band_in_the_advantages_direction():
     loss.backward()
     assert new.grad[0, 0] == 0 and new.grad[0, 1] == 0
     assert new.grad[0, 2] != 0 and new.grad[0, 3] != 0
-    stats = ppo.clip_stats(ratio, advantages, torch.ones(1, 4))
+    stats = rl.clip_stats(ratio, advantages, torch.ones(1, 4), ppo.CLIP)
     assert stats == {"clip_ratio/low": 0.25, "clip_ratio/high": 0.25, "clip_ratio/region": 0.5}
 
 

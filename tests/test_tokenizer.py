@@ -83,3 +83,13 @@ def test_training_is_deterministic():
     a = bpe.train(STORIES, vocab_size=280, progress=False)
     b = bpe.train(list(reversed(STORIES)), vocab_size=280, progress=False)
     assert a.merges == b.merges
+
+
+def test_tokenizer_learns_from_the_first_megabytes_only():
+    texts = ["a" * 400_000, "b" * 400_000, "c" * 400_000]
+    assert list(bpe.first_megabytes(iter(texts), 1)) == texts[:2]
+
+
+def test_missing_tokenizer_names_the_command(tmp_path):
+    with pytest.raises(SystemExit, match="python data.py"):
+        bpe.load_tokenizer(tmp_path)

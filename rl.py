@@ -1,0 +1,121 @@
+"""
+What PPO (episode 8) and GRPO (episode 16) do around their update, in one place, so that
+each script reads as its algorithm: the options and the run's folder, the figures logged
+under TRL's names, the checkpoint saved at each evaluation with what --resume needs, the
+resume itself, and the end of a run. A learner reading ppo.py or grpo.py can skip it.
+
+Both scripts import from here; neither imports the other's loop. grpo.py takes from ppo.py
+what the GRPO episode names (CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs()), and
+gives PPO's constants to what here needs them: rl_parser(description, LR), run_name(args,
+LR), clip_stats(..., CLIP). The evaluation is DPO's (dpo.evaluate), counted in rollouts.
+"""
+import argparse
+import math
+import time
+
+import torch
+
+from model import read_checkpoint, save_checkpoint
+
+EVAL_EVERY = 10  # rollouts
+SEED = 1337
+
+
+def rl_parser(description, lr):
+    """The options of ppo.py and grpo.py; --lr defaults to lr, PPO's learning rate for both."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--minutes", type=float, default=10, help="training time (default 10)")
+    parser.add_argument("--kl", type=float, default=0.05, help="the KL penalty's weight (default 0.05)")
+    parser.add_argument("--lr", type=float, default=lr, help=f"the learning rate (default {lr:g}, PPO's); "
+                        "another one gets its own folder")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED}; another seed gets its own folder")
+    parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], help="default: bf16 where it is faster")
+    parser.add_argument("--rollouts", type=int, default=math.inf, help="stop after this many rollouts, if sooner")
+    parser.add_argument("--resume", action="store_true", help="go on from the run's last rollout checkpoint")
+    return parser
+
+
+def parse_rl_args(parser):
+    args = parser.parse_args()
+    if not 0 < args.minutes < math.inf:
+        parser.error("--minutes must be a positive number")
+    if not 0 <= args.kl < math.inf:
+        parser.error("--kl must be a number, 0 or more")
+    if not 0 < args.lr < math.inf:
+        parser.error("--lr must be a positive number")
+    if args.rollouts < 1:
+        parser.error("--rollouts must be at least 1")
+    return args
+
+
+def run_name(args, lr):
+    """The run's folder, named after its KL weight: kl-0.05, kl-0; kl-0.05-seed-2 for another
+    seed, kl-0.05-lr-1e-05 for a learning rate other than lr (PPO's)."""
+    return (f"kl-{args.kl:g}" + (f"-lr-{args.lr:g}" if args.lr != lr else "")
+            + (f"-seed-{args.seed}" if args.seed != SEED else ""))
+
+
+def clip_stats(ratio, advantages, mask, clip):
+    """Where the clip binds, as shares of the story tokens, by TRL's names: from below (the
+    ratio under 1 - clip with a negative advantage) and from above (over 1 + clip, positive).
+    A ratio outside the band whose advantage points back inside is not clipped."""
+    low = masked_mean(((ratio < 1 - clip) & (advantages < 0)).float(), mask)
+    high = masked_mean(((ratio > 1 + clip) & (advantages > 0)).float(), mask)
+    return {"clip_ratio/low": low, "clip_ratio/high": high, "clip_ratio/region": low + high}
+
+
+def rollout_stats(stories, old, mask, eot):
+    """What TRL logs of the stories: their mean length, the share cut at the token limit, and
+    the policy's entropy per token, estimated as the mean of -log p over the tokens it drew
+    (at temperature 1 with no top-k, that mean estimates the entropy without bias)."""
+    return {"completions/mean_length": float(mask.sum(dim=1).mean()),
+            "completions/clipped_ratio": sum(eot not in story for story in stories) / len(stories),
+            "entropy": masked_mean(-old, mask)}
+
+
+def masked_mean(values, mask):
+    return float((values * mask).sum() / mask.sum())
+
+
+def log_rollout(writer, rollout, logged, line):
+    """A rollout's figures, under rollout/ in TensorBoard, and its line in the log."""
+    for key, value in logged.items():
+        writer.add_scalar(f"rollout/{key}", value, rollout)
+    print(f"rollout {rollout}: {line}", flush=True)
+
+
+def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, settings, **state):
+    """A checkpoint named after the rollout, with all a resumed run needs: the optimizer, the
+    random state, the rollouts and seconds so far (and PPO's critic)."""
+    made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
+    save_checkpoint(folder / f"rollout-{rollout}.pt", policy, tokenizer, made_by, optimizer,
+                    numpy_random=rng.bit_generator.state, torch_random=torch.get_rng_state(), **state)
+
+
+def resume(folder, policy, optimizer, rng):
+    """Loads the run's last rollout checkpoint into policy, optimizer and random state;
+    returns the checkpoint, whose made_by holds the rollouts and seconds so far."""
+    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    if not saved:
+        raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
+    checkpoint = read_checkpoint(saved[-1])
+    policy.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    rng.bit_generator.state = checkpoint["numpy_random"]
+    torch.set_rng_state(checkpoint["torch_random"])
+    made_by = checkpoint["made_by"]
+    print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
+    return checkpoint
+
+
+def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
+    """The end of a run: the final model measured (if the last rollout wasn't), the writer
+    closed, and the model saved in the run's folder."""
+    if rollout % EVAL_EVERY:
+        evaluate_and_save()
+    writer.close()
+    seconds = time.time() - start
+    made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
+    save_checkpoint(folder, policy, tokenizer, made_by)
+    print(f"done: {rollout} rollouts, {seconds / 60:.1f} minutes; the model is in {folder}/model.pt")

@@ -1,0 +1,117 @@
+import errno
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import files
+from data import SEPARATOR
+from files import check_writable
+
+
+# ---------------------------------------------------------------- a folder that cannot be written
+
+def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    check_writable(tmp_path / "checkpoints" / "pretrain", tmp_path / "runs")
+    assert [p.name for p in (tmp_path / "checkpoints" / "pretrain").iterdir()] == []
+
+    def full(fd):  # a full disk may refuse the bytes only when they are written out
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SystemExit, match="no space left on the disk for .*checkpoints"):
+        check_writable(tmp_path / "checkpoints" / "pretrain")
+
+
+def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_path):
+    # A run killed while saving rollout-7.pt, resumed from rollout-0.pt: nothing saves rollout-7.pt again.
+    stale, running = tmp_path / ".rollout-7.pt.99999.tmp", tmp_path / ".rollout-9.pt.88888.tmp"
+    stale.write_bytes(b"half of a checkpoint, from a run killed yesterday")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    running.write_bytes(b"a save that another run is writing now")
+    check_writable(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [running.name]
+
+
+# ---------------------------------------------------------------- download, against a local server
+
+class Server:
+    """Serves one file over HTTP on 127.0.0.1, honouring Range requests, and records them."""
+
+    def __init__(self, content):
+        self.content, self.ranges = content, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                header = self.headers.get("Range")
+                server.ranges.append(header)
+                start, end = 0, len(server.content) - 1
+                if header:
+                    first, _, last = header.removeprefix("bytes=").partition("-")
+                    start, end = int(first), int(last) if last else end
+                    if start >= len(server.content):
+                        self.send_response(416)
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(server.content)}")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", str(end - start + 1))
+                self.end_headers()
+                self.wfile.write(server.content[start:end + 1])
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/TinyStories-train.txt"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    content = "".join(f"Story number {i} about a kite.\n{SEPARATOR}\n" for i in range(100_000)).encode()
+    server = Server(content)
+    yield server
+    server.close()
+
+
+def test_download_resumes_from_a_partial_file(server, tmp_path, capsys):
+    path = tmp_path / "train.txt"
+    partial = 1_234_567
+    (tmp_path / "train.txt.part").write_bytes(server.content[:partial])
+    files.fetch(server.url, path)
+    assert server.ranges == [f"bytes={partial}-"]
+    assert path.read_bytes() == server.content
+    assert not (tmp_path / "train.txt.part").exists()
+    assert "MB/s" in capsys.readouterr().out
+
+
+def test_download_of_the_first_megabytes_keeps_whole_stories(server, tmp_path):
+    path = tmp_path / "train.txt"
+    files.fetch(server.url, path, limit=1_000_000, end=f"\n{SEPARATOR}\n".encode())
+    assert server.ranges == ["bytes=0-999999"]
+    text = path.read_text()
+    assert 999_000 < len(text) <= 1_000_000
+    assert text.endswith(f"{SEPARATOR}\n") and server.content.decode().startswith(text)
+
+
+def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
+    (tmp_path / "train.txt.part").write_bytes(server.content)
+    files.fetch(server.url, tmp_path / "train.txt")
+    assert server.ranges == [f"bytes={len(server.content)}-"]
+    assert (tmp_path / "train.txt").read_bytes() == server.content
+
+
+def test_unreachable_server_says_what_to_do(tmp_path):
+    with pytest.raises(SystemExit, match="--source"):
+        files.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")
