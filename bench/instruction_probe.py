@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from evaluate import model_name, saved_name  # noqa: E402
 from files import atomic, read_instructions  # noqa: E402
-from finetune import HELD_BACK, SEED  # noqa: E402
+from finetune import HELD_BACK, SEED, TUNE_POOL  # noqa: E402
 from model import RUNS, load_checkpoint  # noqa: E402
 from sample import encode_prompt  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -68,7 +68,7 @@ def main():
     if args.examples < 1:
         parser.error("--examples must be at least 1")
     tokenizer = load_tokenizer()
-    examples = read_instructions()
+    examples = read_instructions(limit=TUNE_POOL)
     # The examples finetune.py held back, in its order.
     order = np.random.default_rng(SEED).permutation(len(examples))
     held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]
