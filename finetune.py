@@ -28,6 +28,10 @@ them, --lr 1e-3 --plain-share 0.25, the default. Step 6's lever, --swap SHARE: t
 of the asked words that are nouns (data/words.json) is replaced throughout the story by
 another noun, drawn anew on each pass, and the instruction asks for it, so that however
 well a story is remembered, only the instruction tells which noun comes.
+--first-use-weight W, step 7's diagnostic and no recipe: the loss on the first use of each
+asked word counts W times, to learn whether this model can learn to read the words from its
+instruction at all when the loss asks for it loudly enough (the words it was asked for are a
+few tokens in two hundred of a story's loss).
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
@@ -38,6 +42,7 @@ of the shared sample's and more than any run asks for on the full download.
     python finetune.py --minutes 50 --keep
     python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
     python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
+    python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
 """
 import json
 import random
@@ -46,6 +51,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
 from data import SEED, WORD, ask, instruction
@@ -53,8 +59,8 @@ from files import check_writable, read_instructions, read_words
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from sample import encode_prompt, write
 from tokenizer import load_tokenizer
-from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, parse_training_args,
-                   train_step, training_parser, valid_loss)
+from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, optimizer_step,
+                   parse_training_args, train_step, training_parser, valid_loss)
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
@@ -84,12 +90,12 @@ def a_pass(rng, stories, asks, epoch):
     return [(i // asks, SEED + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
 
 
-def ask_anew(tokenizer, story, askable, seed, nouns=(), swap=0.0):
-    """A story as an example, asked for three words it uses, drawn with the seed (a new one for
-    each pass over the stories; the first pass's are the words of data/instructions.jsonl), with
-    a share `swap` of the asked nouns swapped for other nouns throughout the story."""
+def ask_anew(story, askable, seed, nouns=(), swap=0.0):
+    """A story as an instruction, asked for three words it uses, drawn with the seed (a new one
+    for each pass over the stories; the first pass's are the words of data/instructions.jsonl),
+    with a share `swap` of the asked nouns swapped for other nouns throughout the story."""
     example = ask(story, askable, seed)
-    return encode_example(tokenizer, swap_nouns(example, nouns, swap, seed) if swap else example)
+    return swap_nouns(example, nouns, swap, seed) if swap else example
 
 
 def swap_nouns(example, nouns, share, seed):
@@ -116,6 +122,32 @@ def is_plural(noun):
     return noun.endswith("s") and not noun.endswith(("ss", "us"))
 
 
+def first_use_weights(tokenizer, examples, encoded, y, weight):
+    """A weight for each target of y: `weight` on the first use in its story of each word an
+    instruction asks for (the word's first token, with its space, as bench/instruction_probe.py
+    finds it), 1 elsewhere. The rows of y past the examples (plain windows) weigh 1 throughout."""
+    weights = torch.ones(y.shape)
+    for row, (example, (tokens, prompt_length)) in enumerate(zip(examples, encoded)):
+        story = tokens[prompt_length:]
+        for word in example["words"]:
+            token = tokenizer.encode(" " + word)[0]
+            if token in story:
+                # Position i predicts token i + 1: the story's token k is the target at prompt_length + k - 1.
+                weights[row, prompt_length + story.index(token) - 1] = weight
+    return weights.to(y.device)
+
+
+def weighted_step(model, optimizer, x, y, weights, device, precision, lr):
+    """train.py's training step with each target's loss weighed: a weighted mean over the targets."""
+    with autocast(device, precision):
+        logits, _ = model(x)
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="none")
+    weights = weights.flatten() * (y.flatten() >= 0)
+    loss = (losses * weights).sum() / weights.sum()
+    optimizer_step(model, optimizer, loss, lr)
+    return loss.item()
+
+
 def plain_windows(tokens, rng, count):
     """count windows of data/train.bin, as pretraining reads them: a context's worth of the
     stories pretraining trained on, every token a target (a prompt of one token)."""
@@ -124,10 +156,12 @@ def plain_windows(tokens, rng, count):
 
 
 def run_name(args):
-    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1) with a lever off its default."""
+    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1, -first-use-10)
+    with a lever off its default."""
     return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
             + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else "")
-            + (f"-swap-{args.swap:g}" if args.swap != SWAP else ""))
+            + (f"-swap-{args.swap:g}" if args.swap != SWAP else "")
+            + (f"-first-use-{args.first_use_weight:g}" if args.first_use_weight != 1 else ""))
 
 
 def collate(examples, pad, device):
@@ -168,11 +202,15 @@ def main():
                         help=f"the share of each batch given to plain pretraining stories (default {PLAIN_SHARE:g})")
     parser.add_argument("--swap", type=float, default=SWAP,
                         help=f"the share of asked nouns swapped for other nouns throughout the story (default {SWAP:g})")
+    parser.add_argument("--first-use-weight", type=float, default=1.0,
+                        help="a diagnostic, not a recipe: the loss on the first use of each asked word counts this "
+                             "many times (default 1, no weight)")
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
-            and 0 <= args.swap <= 1):
-        parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, and --plain-share 0 "
+            and 0 <= args.swap <= 1 and args.first_use_weight > 0):
+        parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, --first-use-weight "
+                     f"above 0, and --plain-share 0 "
                      f"or a share that leaves at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name
@@ -236,15 +274,20 @@ def main():
         # uses: the words must be read from the instruction, as no story comes with the same ones twice.
         if position + asked_rows > len(asks):
             epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1)
-        batch = [ask_anew(tokenizer, tune_stories[story], askable, seed, nouns, args.swap)
-                 for story, seed in asks[position:position + asked_rows]]
+        examples = [ask_anew(tune_stories[story], askable, seed, nouns, args.swap)
+                    for story, seed in asks[position:position + asked_rows]]
         position += asked_rows
+        batch = [encode_example(tokenizer, example) for example in examples]
         # Windows of the stories the model pretrained on fill the rest of the batch (none with --plain-share 0).
         batch += plain_windows(train_tokens, rng, plain_rows)
         x, y = collate(batch, pad, device)
         # The loss on the stories' tokens only, and the update it asks for.
         lr = learning_rate(step, progress, args.lr, MIN_LR, WARMUP)
-        loss = train_step(model, optimizer, x, y, device, precision, lr)
+        if args.first_use_weight == 1:
+            loss = train_step(model, optimizer, x, y, device, precision, lr)
+        else:
+            weights = first_use_weights(tokenizer, examples, batch, y, args.first_use_weight)
+            loss = weighted_step(model, optimizer, x, y, weights, device, precision, lr)
         step += 1
         if step % 10 == 0:
             writer.add_scalar("loss/train", loss, step)

@@ -69,6 +69,9 @@ def draw(file, title, xlabel, ylabel, lines):
 # measured by evaluate.py --seeds 3 and bench/instruction_probe.py: {run's folder: label}.
 # (Step 3's figure, finetune-words.png, was drawn the same way from models no longer made.)
 RECIPES = {"finetune": "default recipe", "finetune-swap-1": "--swap 1 (asked nouns swapped)"}
+# Episode 3's step 7, the diagnostic: the first use of each asked word weighs 20 in the loss.
+FIRST_USE = {"finetune-swap-1-first-use-20": "--swap 1 --first-use-weight 20",
+             "finetune-first-use-20": "--first-use-weight 20"}
 
 
 def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
@@ -146,6 +149,7 @@ def main():
         draw(file, title, "rollout" if "/" in run else "step", ylabel,
              [(*scalars(run, tag), label) for tag, label in tags.items()])
     finetune_curves()
+    finetune_curves(FIRST_USE, "finetune-first-use.png")
     rl_table()
 
 

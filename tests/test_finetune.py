@@ -2,11 +2,12 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 import torch
 
 import finetune
 import train
-from data import SEED
+from data import SEED, instruction
 from files import read_instructions, read_words
 from model import GPT, TINY, Config
 from sample import encode_prompt
@@ -51,7 +52,7 @@ def test_each_pass_asks_each_story_for_words_it_uses_drawn_anew(workspace):
     instructions = read_instructions(workspace / "data" / "instructions.jsonl")[:40]
     stories = [i["story"] for i in instructions]
     askable, _ = read_words(workspace / "data" / "words.json")
-    first, second = ([finetune.ask_anew(tokenizer, story, askable, seed) for story in stories]
+    first, second = ([finetune.encode_example(tokenizer, finetune.ask_anew(story, askable, seed)) for story in stories]
                      for seed in (SEED, SEED + 1))
     assert first == [finetune.encode_example(tokenizer, i) for i in instructions]  # the file's words first
     prompts = [tokenizer.decode(tokens[1:length]) for tokens, length in second]
@@ -108,7 +109,7 @@ def test_swapped_examples_from_the_real_words_ask_for_words_their_story_uses(wor
     stories = [i["story"] for i in read_instructions(workspace / "data" / "instructions.jsonl")[:40]]
     changed = 0
     for story in stories:
-        tokens, length = finetune.ask_anew(tokenizer, story, askable, SEED, nouns, swap=1.0)
+        tokens, length = finetune.encode_example(tokenizer, finetune.ask_anew(story, askable, SEED, nouns, swap=1.0))
         words, text = asked_words(tokenizer.decode(tokens[1:length])), tokenizer.decode(tokens[length:])
         assert all(word in text for word in words)
         changed += text.removesuffix(tokenizer.decode([tokenizer.eot])) != story
@@ -128,8 +129,41 @@ def test_plain_rows_are_windows_of_the_pretraining_tokens_every_token_a_target()
 
 
 def test_each_lever_names_its_own_folder():
-    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP):
-        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap))
+    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP, first_use_weight=1.0):
+        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap,
+                                                    first_use_weight=first_use_weight))
     assert name() == "finetune"
-    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1)] == [
-        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1"]
+    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1), name(first_use_weight=10)] == [
+        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1", "finetune-first-use-10"]
+
+
+def test_the_first_use_of_each_asked_word_is_weighed_and_nothing_else(workspace):
+    tokenizer = load_tokenizer(workspace / "data")
+    example = {"words": ["kite", "river", "moon"], "instruction": instruction(["kite", "river", "moon"]),
+               "story": "Tom had a red kite. The kite flew over the river, and the river was wide."}  # no moon
+    encoded = [finetune.encode_example(tokenizer, example)]
+    batch = encoded + finetune.plain_windows(np.arange(1000, dtype=np.uint16), np.random.default_rng(0), 1)
+    _, y = finetune.collate(batch, tokenizer.eot, "cpu")
+    weights = finetune.first_use_weights(tokenizer, [example], encoded, y, 10.0)
+    kite, river = (tokenizer.encode(" " + word)[0] for word in ("kite", "river"))
+    first = [y[0].tolist().index(token) for token in (kite, river)]  # the first target that is each word
+    assert [(row, place) for row, place in (weights != 1).nonzero().tolist()] == [(0, place) for place in sorted(first)]
+    assert weights[0, first].tolist() == [10.0, 10.0] and bool((weights[1] == 1).all())
+
+
+def test_the_weighted_step_is_the_weighted_mean_of_the_targets_losses():
+    torch.manual_seed(0)
+    model = GPT(Config(**{**TINY, "vocab_size": 50})).eval()  # no dropout, so the two losses meet
+    optimizer = train.make_optimizer(model, 1e-3)
+    x, y = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+    y[1, 8:] = -1  # padding, never a target
+    weights = torch.ones(y.shape)
+    weights[0, 3] = weights[1, 8] = 5.0  # the second is on padding: it counts for nothing
+    with torch.no_grad():
+        losses = torch.nn.functional.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1,
+                                                   reduction="none").view(2, 12)
+    by_hand = (losses.sum() + 4 * losses[0, 3]) / (20 + 4)  # 20 targets, one of them counted 5 times
+    step = finetune.weighted_step(model, optimizer, x, y, weights, "cpu", "fp32", 1e-3)
+    assert step == pytest.approx(by_hand.item(), rel=1e-5)
+    assert finetune.weighted_step(model, optimizer, x, y, torch.ones(y.shape), "cpu", "fp32", 0.0) == pytest.approx(
+        model(x, y)[1].item(), rel=1e-5)  # weights of 1: the training step's mean
