@@ -122,18 +122,21 @@ def is_plural(noun):
     return noun.endswith("s") and not noun.endswith(("ss", "us"))
 
 
+def first_uses(tokenizer, words, story):
+    """(place in the story's tokens, token) of the first use of each asked word the story uses:
+    the word's first token, with its space (bench/instruction_probe.py measures the same places)."""
+    tokens = [tokenizer.encode(" " + word)[0] for word in words]
+    return [(story.index(token), token) for token in tokens if token in story]
+
+
 def first_use_weights(tokenizer, examples, encoded, y, weight):
     """A weight for each target of y: `weight` on the first use in its story of each word an
-    instruction asks for (the word's first token, with its space, as bench/instruction_probe.py
-    finds it), 1 elsewhere. The rows of y past the examples (plain windows) weigh 1 throughout."""
+    instruction asks for, 1 elsewhere. The rows of y past the examples (plain windows) weigh 1 throughout."""
     weights = torch.ones(y.shape)
     for row, (example, (tokens, prompt_length)) in enumerate(zip(examples, encoded)):
-        story = tokens[prompt_length:]
-        for word in example["words"]:
-            token = tokenizer.encode(" " + word)[0]
-            if token in story:
-                # Position i predicts token i + 1: the story's token k is the target at prompt_length + k - 1.
-                weights[row, prompt_length + story.index(token) - 1] = weight
+        for place, _ in first_uses(tokenizer, example["words"], tokens[prompt_length:]):
+            # Position i predicts token i + 1: the story's token k is the target at prompt_length + k - 1.
+            weights[row, prompt_length + place - 1] = weight
     return weights.to(y.device)
 
 

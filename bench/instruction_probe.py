@@ -24,24 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from evaluate import model_name, saved_name  # noqa: E402
 from files import atomic, read_instructions  # noqa: E402
-from finetune import HELD_BACK, SEED, TUNE_POOL  # noqa: E402
+from finetune import HELD_BACK, SEED, TUNE_POOL, first_uses  # noqa: E402
 from model import RUNS, load_checkpoint  # noqa: E402
 from sample import encode_prompt  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
-def first_uses(model, tokenizer, prompt, example):
+def first_use_logprobs(model, tokenizer, prompt, example):
     """Log-probabilities of the first use of each requested word (as a word with its space)."""
     story = tokenizer.encode(example["story"])[:200]
     tokens = torch.tensor([prompt + story])
     logits, _ = model(tokens[:, :-1])
     logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-    found = []
-    for word in example["words"]:
-        token = tokenizer.encode(" " + word)[0]
-        if token in story:
-            found.append(logprobs[len(prompt) + story.index(token) - 1, token].item())
-    return found
+    places = first_uses(tokenizer, example["words"], story)
+    return [logprobs[len(prompt) + place - 1, token].item() for place, token in places]
 
 
 def probe(model, tokenizer, held_back):
@@ -55,7 +51,7 @@ def probe(model, tokenizer, held_back):
     results = {}
     with torch.no_grad():
         for label, prompt in prompts.items():
-            values = [v for i, e in enumerate(held_back) for v in first_uses(model, tokenizer, prompt(i, e), e)]
+            values = [v for i, e in enumerate(held_back) for v in first_use_logprobs(model, tokenizer, prompt(i, e), e)]
             results[label] = {"mean_logprob": float(np.mean(values)), "words": len(values)}
     return results
 
