@@ -43,8 +43,8 @@ from files import check_writable
 from finetune import collate
 from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
 from preferences import load_pairs
-from sample import encode_prompt, write
-from tokenizer import load_tokenizer
+from sample import write
+from tokenizer import encode_prompt, load_tokenizer
 from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model

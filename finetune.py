@@ -57,9 +57,8 @@ from torch.utils.tensorboard import SummaryWriter
 from data import SEED, WORD, ask, instruction
 from files import check_writable, read_instructions, read_words
 from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
-from sample import encode_prompt, write
-from tokenizer import load_tokenizer
-from train import (CONTEXT, budget_used, learning_rate, load_tokens, make_optimizer, optimizer_step,
+from tokenizer import encode_prompt, load_tokenizer
+from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens, make_optimizer, optimizer_step,
                    parse_training_args, train_step, training_parser, valid_loss)
 
 BATCH = 16  # examples per step
@@ -75,6 +74,7 @@ HELD_BACK = 256  # train instructions kept out of training, for the instruction 
 # full download (over half a million) more than a 3,000-step run asks for (36,000), not the whole file.
 TUNE_POOL = 50_000
 EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
+DEMO_TOKENS = 200  # its most tokens: a whole story
 
 
 def encode_example(tokenizer, example):
@@ -251,7 +251,7 @@ def main():
     def evaluate_and_save(save=True):
         losses = {"instructions": instruction_loss(model, held_back, pad, device, precision),
                   "plain": valid_loss(model, valid_tokens, device, precision)}
-        story = write(model, tokenizer, EXAMPLE, seed=step)
+        story = demo_story(model, tokenizer, EXAMPLE, seed=step, max_new_tokens=DEMO_TOKENS)
         for name, value in losses.items():
             writer.add_scalar(f"loss/{name}", value, step)
         writer.add_text("story", EXAMPLE + story, step)

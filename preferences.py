@@ -23,8 +23,8 @@ import numpy as np
 from evaluate import words_used
 from files import DATA, atomic, check_writable, read_instructions
 from model import CHECKPOINTS, load_checkpoint, pick_device
-from sample import MAX_NEW_TOKENS, encode_prompt, write_stories
-from tokenizer import load_tokenizer
+from sample import MAX_NEW_TOKENS, write_stories
+from tokenizer import encode_prompt, load_tokenizer
 
 STORIES = 4  # stories per instruction, from which the best and the worst make a pair
 # The training instructions the later episodes read, the first of the file: more than any run of

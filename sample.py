@@ -27,17 +27,12 @@ import torch
 
 from data import instruction
 from model import CHECKPOINTS, load_checkpoint, pick_device
-from tokenizer import load_tokenizer
+from tokenizer import encode_prompt, load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes
 # them all infinite) and the draw lands past the last token. 0 takes the likeliest token.
 MIN_TEMPERATURE = 1e-3
-
-
-def encode_prompt(tokenizer, prompt):
-    # An end-of-text first: in pretraining, every story came right after one.
-    return [tokenizer.eot] + tokenizer.encode(prompt)
 
 
 def cut_at_end(tokens, eot):

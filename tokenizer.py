@@ -186,6 +186,12 @@ def load_tokenizer(folder=DATA):
     return Tokenizer.load(path)
 
 
+def encode_prompt(tokenizer, prompt):
+    """A prompt's tokens as a model is given them to write after: an end-of-text first, as in
+    the token files every story came right after one, so the model knows a new story begins."""
+    return [tokenizer.eot] + tokenizer.encode(prompt)
+
+
 def write_tokens(stories, bin_path, tokenizer):
     """Step 4 of data.py: every story, an end-of-text before it, as uint16 tokens in one flat
     file, which train.py reads as a numpy memmap without loading it."""

@@ -28,8 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 from files import DATA, check_made, check_writable
 from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
                    read_checkpoint, save_checkpoint)
-from sample import write
-from tokenizer import load_tokenizer
+from tokenizer import encode_prompt, load_tokenizer
 
 BATCH = 16  # windows per step
 CONTEXT = Config.context  # tokens per window, the model's whole context: a story, often with the next one's start
@@ -83,6 +82,20 @@ def random_batch(tokens, rng, device, batch=BATCH, context=CONTEXT):
     starts = rng.integers(0, len(tokens) - context - 1, size=batch)
     windows = torch.from_numpy(np.stack([tokens[s:s + context + 1] for s in starts]).astype(np.int64))
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+
+def demo_story(model, tokenizer, prompt, seed, max_new_tokens=120):
+    """What the model writes after prompt, as text, for the logs: temperature 1, dropout off,
+    with the model's own generate (episode 4's sample.write does the same for every later
+    episode, with top-k and many stories at once)."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor([encode_prompt(tokenizer, prompt)], device=device)
+    was_training = model.training
+    model.eval()
+    out = model.generate(tokens, max_new_tokens, stop=tokenizer.eot,
+                         generator=torch.Generator(device=device).manual_seed(seed))
+    model.train(was_training)
+    return tokenizer.decode(out[0, tokens.size(1):].tolist())
 
 
 @torch.no_grad()
@@ -183,7 +196,7 @@ def main():
 
     def validate_and_save():
         loss = valid_loss(model, valid_tokens, device, precision)
-        story = write(model, tokenizer, "Once upon a time", max_new_tokens=120, seed=step)
+        story = demo_story(model, tokenizer, "Once upon a time", seed=step)
         writer.add_scalar("loss/valid", loss, step)
         writer.add_text("sample", story, step)
         writer.flush()

@@ -26,8 +26,7 @@ from evaluate import model_name, saved_name  # noqa: E402
 from files import atomic, read_instructions  # noqa: E402
 from finetune import HELD_BACK, SEED, TUNE_POOL, first_uses  # noqa: E402
 from model import RUNS, load_checkpoint  # noqa: E402
-from sample import encode_prompt  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 
 def first_use_logprobs(model, tokenizer, prompt, example):

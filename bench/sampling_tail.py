@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpo import DEMO  # noqa: E402
 from model import load_checkpoint, sampling_logits  # noqa: E402
-from sample import MAX_NEW_TOKENS, encode_prompt, write_stories  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from sample import MAX_NEW_TOKENS, write_stories  # noqa: E402
+from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 TAIL = 1e-4  # a token the model gives less than this is in its tail
 

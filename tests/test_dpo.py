@@ -7,7 +7,7 @@ import torch
 import dpo
 import preferences
 from model import read_checkpoint
-from sample import encode_prompt
+from tokenizer import encode_prompt
 
 
 def fake_pairs(tokenizer, count=6):

@@ -10,8 +10,7 @@ import train
 from data import SEED, instruction
 from files import read_instructions, read_words
 from model import GPT, TINY, Config
-from sample import encode_prompt
-from tokenizer import load_tokenizer
+from tokenizer import encode_prompt, load_tokenizer
 
 
 def test_only_the_story_and_its_end_are_targets():

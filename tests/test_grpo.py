@@ -16,8 +16,8 @@ import evaluate
 import grpo
 from data import instruction
 from model import read_checkpoint
-from sample import encode_prompt
 from test_ppo import first_minibatches, recording_the_update, rewards_printed
+from tokenizer import encode_prompt
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 

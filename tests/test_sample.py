@@ -2,7 +2,8 @@ import pytest
 
 import sample
 from conftest import always_writes
-from sample import cut_at_end, encode_prompt, write, write_stories
+from sample import cut_at_end, write, write_stories
+from tokenizer import encode_prompt
 
 
 def test_prompt_starts_with_end_of_text(small_tokenizer):

@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sample
 import train
 from model import GPT, TINY, Config
+from test_ppo import tiny_policy
 
 
 def test_learning_rate_warms_up_then_decays_to_the_minimum():
@@ -63,3 +65,13 @@ def test_valid_loss_is_the_mean_over_its_windows():
 def test_missing_token_file_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match="python data.py"):
         train.load_tokens("train", tmp_path)
+
+
+def test_the_demo_story_is_what_episode_4_s_write_gives_and_leaves_training_on(small_tokenizer):
+    # Pretraining logs its story with the model's own generate, so it needs no later episode; it
+    # is the story sample.write gives for the same prompt and seed, written with dropout off.
+    model = tiny_policy(vocab_size=small_tokenizer.vocab_size).train()
+    story = train.demo_story(model, small_tokenizer, "Once upon a time", seed=3, max_new_tokens=40)
+    assert model.training
+    assert story == sample.write(model, small_tokenizer, "Once upon a time", max_new_tokens=40, seed=3)
+    assert story != train.demo_story(model, small_tokenizer, "Once upon a time", seed=4, max_new_tokens=40)
