@@ -144,8 +144,10 @@ def main():
     if not args.resume:
         evaluate_and_save()  # rollout 0: the fine-tuned model, before any training
     while time.time() - start < budget and rollout_count < args.rollouts:
-        # 16 groups of 8 stories, packed into one padded batch with a mask over the stories' tokens.
-        prompts, stories, rewards = rollout(policy, tokenizer, asks, rng, seed=args.seed * 100_000 + rollout_count)
+        # 16 groups of 8 stories, packed into one padded batch with a mask over the stories' tokens;
+        # written with the update's precision, as bf16 writes faster where it multiplies faster.
+        with autocast(device, precision):
+            prompts, stories, rewards = rollout(policy, tokenizer, asks, rng, seed=args.seed * 100_000 + rollout_count)
         x, y, mask = pack(prompts, stories, tokenizer.eot, device)
         rewards = torch.tensor(rewards, device=device)
         # One advantage per story: each of its tokens is going to share it.

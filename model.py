@@ -50,6 +50,7 @@ class Config:
 
 
 TINY = dict(context=256, n_layer=2, n_head=2, n_embd=32)  # for tests: Config(vocab_size=..., **TINY)
+BLOCK = 64  # tokens in a block of next_token's running sum: 84 blocks of the series' 5,376
 
 
 class KVCache:
@@ -59,7 +60,7 @@ class KVCache:
 
     def __init__(self, config, length):
         self.n_layer, self.length, self.filled = config.n_layer, length, 0
-        self.keys = self.values = None  # made at the first call, in the dtype the layers produce
+        self.keys = self.values = None  # made at the first call, on the layers' device
 
     def add(self, layer, k, v):
         """Stores new keys and values; returns the layer's keys and values so far, and which of
@@ -69,8 +70,9 @@ class KVCache:
         batch, heads, new, head_size = k.shape
         if self.keys is None:
             shape = (self.n_layer, batch, heads, self.length, head_size)
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+            # In float32 even when the matrix products run in bfloat16: see attend_to_cache.
+            self.keys = torch.empty(shape, dtype=torch.float32, device=k.device)
+            self.values = torch.empty(shape, dtype=torch.float32, device=v.device)
         end = self.filled + new
         self.keys[layer, :, :, self.filled:end] = k
         self.values[layer, :, :, self.filled:end] = v
@@ -80,8 +82,8 @@ class KVCache:
         # One new token per row, each at its row's own next position; a row sees only the
         # positions it has filled, not the slots a shorter prompt left empty.
         rows = torch.arange(k.size(0), device=k.device)
-        self.keys[layer, rows, :, self.filled] = k[:, :, 0]
-        self.values[layer, rows, :, self.filled] = v[:, :, 0]
+        self.keys[layer, rows, :, self.filled] = k[:, :, 0].float()
+        self.values[layer, rows, :, self.filled] = v[:, :, 0].float()
         end = int(self.filled.max()) + 1
         visible = torch.arange(end, device=k.device) <= self.filled[:, None]
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]
@@ -130,9 +132,24 @@ class SelfAttention(nn.Module):
             assert T == 1 or (not torch.is_tensor(cache.filled) and cache.filled == 0), \
                 "the cache takes a prompt first, then one token at a time"
             k, v, visible = cache.add(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible,
-                                           dropout_p=self.dropout if self.training else 0.0, is_causal=T > 1)
+        if cache is not None and T == 1:
+            y = attend_to_cache(q, k, v, visible)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=T > 1)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+def attend_to_cache(q, k, v, visible):
+    """One new token's attention over the cache, written out: its scores against every key,
+    the positions a row may not see ruled out, the softmax, and the values it weighs. For a
+    single query, torch's fused kernel is slower on a CPU than these two products, and in
+    bfloat16 slower still; so they run in float32 whatever the autocast, over a float32 cache."""
+    with torch.autocast(q.device.type, enabled=False):
+        scores = q.float() @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        return F.softmax(scores, dim=-1) @ v
 
 
 class MLP(nn.Module):
@@ -291,13 +308,22 @@ def next_token(logits, temperature, top_k, generator):
     # Inverse-CDF sampling: draw a uniform number and take the token where it falls in the
     # running sum of the probabilities. It samples from the same distribution as
     # torch.multinomial with one random number per row, where multinomial draws noise for
-    # every one of the 5,376 tokens. The draw is scaled by the last sum, which rounding
-    # leaves a hair off 1, so it can never land past the last token. In float64, but for
-    # Apple's MPS, which has none.
+    # every one of the 5,376 tokens. The running sum is in float64 (but for Apple's MPS, which
+    # has none), so that rounding moves no token's share, and in two steps, as a sum that runs
+    # along 5,376 numbers is the slowest part of a step: over blocks of BLOCK tokens, to find
+    # the block the draw falls in, then along that block alone.
     precise = torch.float32 if logits.device.type == "mps" else torch.float64
-    running_sum = F.softmax(logits, dim=-1, dtype=precise).cumsum(dim=-1)
-    uniform = torch.rand(logits.size(0), 1, generator=generator, device=logits.device, dtype=precise)
-    return torch.searchsorted(running_sum, uniform * running_sum[:, -1:], right=True).squeeze(1)
+    rows, vocab = logits.shape
+    probs = F.pad(F.softmax(logits, dim=-1), (0, -vocab % BLOCK)).to(precise).view(rows, -1, BLOCK)
+    by_block = probs.sum(dim=-1).cumsum(dim=-1)
+    uniform = torch.rand(rows, 1, generator=generator, device=logits.device, dtype=precise)
+    draw = uniform * by_block[:, -1:]  # scaled by the whole sum, which rounding leaves a hair off 1
+    block = torch.searchsorted(by_block, draw, right=True).clamp(max=by_block.size(1) - 1)
+    before = F.pad(by_block, (1, 0)).gather(1, block)  # the sum of the blocks before it
+    within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1)
+    place = torch.searchsorted(within, draw - before, right=True).clamp(max=BLOCK - 1)
+    # Rounding can leave a draw a hair past its block's sum: it then takes the block's last token.
+    return (block * BLOCK + place).squeeze(1).clamp(max=vocab - 1)
 
 
 # ---------------------------------------------------------------- devices and precision

@@ -31,8 +31,9 @@ Choices of ours, where the usual recipe leaves room:
 - Advantages are not normalised: every reward is a share of three words, on one scale.
 - The policy stays in evaluation mode, dropout off, so the update's probabilities match the
   rollout's, and the first minibatch's ratio is exactly 1.
-- Log-probabilities in float32; the matrix products in bfloat16 where the device does them
-  faster (model.default_precision), as bench/rollout.py measures.
+- Log-probabilities in float32; the matrix products, the writing's and the update's, in
+  bfloat16 where the device does them faster (model.default_precision), as bench/rollout.py
+  measures.
 
 Exported for GRPO: CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs(). What both
 scripts do around their loop (the options, the figures logged under TRL's names, the
@@ -101,10 +102,18 @@ def pack(prompts, stories, pad, device):
     return x, y, (y >= 0).float()
 
 
-def token_logprobs(model, x, y):
-    """Each target's log-probability under model, in float32; 0 over prompts and padding."""
-    logits, _ = model(x)
-    return target_logprobs(logits, y)
+def token_logprobs(model, x, y, hidden=False):
+    """Each target's log-probability under model, in float32; 0 over prompts and padding.
+    With hidden=True, the final layer norm's output too: the channels the critic reads.
+    MINIBATCH rows at a time: a whole rollout's logits at once, 128 x 220 x 5,376 numbers,
+    run far past the CPU's caches (twice as slow, measured), and a row's log-probabilities
+    come out the same, to the last bit, whichever rows it shares a pass with."""
+    logprobs, channels = [], []
+    for rows_x, rows_y in zip(x.split(MINIBATCH), y.split(MINIBATCH)):
+        logits, rows_channels = model(rows_x, hidden=True)
+        logprobs.append(target_logprobs(logits, rows_y))
+        channels.append(rows_channels)
+    return (torch.cat(logprobs), torch.cat(channels)) if hidden else torch.cat(logprobs)
 
 
 def ppo_loss(new, old, ref, advantages, mask, kl):
@@ -170,17 +179,18 @@ def main():
     if not args.resume:
         evaluate_and_save()  # rollout 0: the fine-tuned model, before any training
     while time.time() - start < budget and rollout_count < args.rollouts:
-        # The policy writes 128 stories, and the reward scores them.
-        prompts, stories, rewards = rollout(policy, tokenizer, asks, rng, seed=args.seed * 100_000 + rollout_count)
+        # The policy writes 128 stories, and the reward scores them; in the update's precision,
+        # as bf16 writes faster where it multiplies faster.
+        with autocast(device, precision):
+            prompts, stories, rewards = rollout(policy, tokenizer, asks, rng, seed=args.seed * 100_000 + rollout_count)
         x, y, mask = pack(prompts, stories, tokenizer.eot, device)
         R = torch.tensor(rewards, device=device)
         # With no gradients: the log-probabilities of the policy that wrote the stories, the
         # critic's guess at each token, and the reference's log-probabilities, for the KL.
         with torch.no_grad():
             with autocast(device, precision):
-                logits, channels = policy(x, hidden=True)
+                old, channels = token_logprobs(policy, x, y, hidden=True)
                 ref = token_logprobs(reference, x, y)
-            old = target_logprobs(logits, y)
             values = critic(channels.float()).squeeze(-1)
         # Each token's advantage: the story's reward, minus what the critic expected there.
         advantages = (R[:, None] - values) * mask
@@ -190,8 +200,7 @@ def main():
         for epoch in range(EPOCHS):
             for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
                 with autocast(device, precision):
-                    logits, channels = policy(x[rows], hidden=True)
-                new = target_logprobs(logits, y[rows])
+                    new, channels = token_logprobs(policy, x[rows], y[rows], hidden=True)
                 values_now = critic(channels.detach().float()).squeeze(-1)
                 policy_loss, ratio = ppo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], args.kl)
                 critic_loss = value_loss(values_now, R[rows], mask[rows])

@@ -12,8 +12,8 @@ one batch, with the model's KV cache (model.py), and a batch finishes early once
 has ended. The RL episodes write their 128 stories at once this way.
 
 A prompt starts with an end-of-text token, as every story did in pretraining, so the model
-knows a new story begins. Generation runs in float32: on this CPU, bfloat16 makes the
-matrix products faster but attention over the cache slower, for no gain overall.
+knows a new story begins. Writing runs in float32 unless the caller asks for bfloat16 with
+model.autocast, as the RL episodes do where it is faster (their update runs in it too).
 
     python sample.py --words rain cake jump                  (the fine-tuned model)
     python sample.py --model checkpoints/pretrain --prompt "Once upon a time"

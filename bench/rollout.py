@@ -3,13 +3,15 @@ Benchmark: one GRPO rollout at the series size, from a real fine-tuned model. 16
 instructions, each written for 8 times (128 stories of up to 200 tokens, temperature 1),
 scored, their old and reference log-probabilities, and the update (2 passes in minibatches
 of 16): the seconds of each part, the median of --repeats rollouts, each with new
-instructions. In the same run, the episode's literal writing, one call of 8 stories for
-each of the 16 instructions, beside grpo.py's one batched pass over all 128: the same
-instructions and the same number of stories, so the ratio holds on any machine; and the
-batched pass again with its matrix products in bf16, to see whether writing in bf16 pays.
+instructions, and each part's share of the machine's matrix-product peak, measured in the
+same run. As in grpo.py, everything runs in one precision, bf16 where the device multiplies
+faster (model.default_precision), --precision to choose.
 
-Also: how far bf16 matrix products move the log-probabilities the ratio and the KL are made
-of, against fp32, on the rollout's own stories.
+In the same run: the episode's literal writing, one call of 8 stories for each of the 16
+instructions, beside grpo.py's one batched pass over all 128, the same instructions and the
+same number of stories, so the ratio holds on any machine; and the batched pass again in the
+other precision, to see what bf16 buys. Also: how far bf16 matrix products move the
+log-probabilities the ratio and the KL are made of, against fp32, on the rollout's own stories.
 
     python bench/rollout.py                       (about 4 minutes on a 2-core CPU)
     python bench/rollout.py --precision fp32 --repeats 1
@@ -59,19 +61,20 @@ def write_group_by_group(policy, tokenizer, prompts, seed):
 
 
 def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision):
-    """One rollout of grpo.py, part by part, and the same instructions written group by group."""
-    rng = np.random.default_rng(seed)
-    (prompts, stories, rewards), writing_and_scoring = timed(device, lambda: rollout(policy, tokenizer, asks, rng, seed))
+    """One rollout of grpo.py, part by part; the same instructions written group by group, and
+    written again in the other precision."""
+    def write(precision):
+        with autocast(device, precision):
+            return rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
+
+    (prompts, stories, rewards), writing_and_scoring = timed(device, lambda: write(precision))
     texts = [tokenizer.decode(story) for story in stories]
     _, scoring = timed(device, lambda: [words_used(t, ["cake", "rain", "jump"]) for t in texts])
     groups = [torch.tensor([prompts[i]], device=device).repeat(GROUP, 1) for i in range(0, len(prompts), GROUP)]
-    _, by_group = timed(device, lambda: write_group_by_group(policy, tokenizer, groups, seed))
-
-    def write_in_bf16():
-        with autocast(device, "bf16"):
-            return rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
-
-    (_, bf16_stories, _), bf16_writing = timed(device, write_in_bf16)
+    with autocast(device, precision):
+        _, by_group = timed(device, lambda: write_group_by_group(policy, tokenizer, groups, seed))
+    other = "fp32" if precision == "bf16" else "bf16"
+    (_, other_stories, _), other_writing = timed(device, lambda: write(other))
 
     x, y, mask = pack(prompts, stories, tokenizer.eot, device)
     advantages, _ = group_advantages(torch.tensor(rewards, device=device))
@@ -93,7 +96,7 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     _, updating = timed(device, update)
     written = int(mask.sum())
     return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
-            "by_group": by_group, "bf16_writing": bf16_writing, "bf16_tokens": sum(len(s) for s in bf16_stories),
+            "by_group": by_group, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
             "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x)}
 
 
@@ -128,29 +131,33 @@ def main():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.0)
     by_length = load_asks(tokenizer)
     asks = [ask for length in sorted(by_length) for ask in by_length[length]]
-    print(f"machine: {machine()}; device: {device}; update in {precision}, writing in fp32")
+    print(f"machine: {machine()}; device: {device}; writing and update in {precision}")
 
     runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision)
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
     peak = matmul_peak(device, DTYPES[precision])
-    update_flops = EPOCHS * median["positions"] * flops_per_token(policy)
-    print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average")
-    print("| part | seconds | share |")
-    print("| --- | --- | --- |")
+    # A forward pass is a third of a training step's work (forward, and backward twice as much).
+    forward = flops_per_token(policy) / 3
+    work = {"writing": median["story_tokens"] * forward, "scoring": 0.0,
+            "logprobs": 2 * median["positions"] * forward, "update": EPOCHS * median["positions"] * 3 * forward}
+    print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average; "
+          f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s")
+    print("| part | seconds | share | share of the matrix peak |")
+    print("| --- | --- | --- | --- |")
     for part in ("writing", "scoring", "logprobs", "update"):
-        print(f"| {part} | {median[part]:.1f} | {median[part] / total:.0%} |")
-    print(f"| whole rollout | {total:.1f} | 100% |")
+        share_of_peak = f"{work[part] / median[part] / peak:.0%}" if work[part] else "no products"
+        print(f"| {part} | {median[part]:.1f} | {median[part] / total:.0%} | {share_of_peak} |")
+    print(f"| whole rollout | {total:.1f} | 100% | {sum(work.values()) / total / peak:.0%} |")
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")
-    print(f"writing in bf16 (the same instructions and draws; its stories differ a little): "
-          f"{median['bf16_tokens'] / median['bf16_writing']:,.0f} generated tokens per second")
+    other = "fp32" if precision == "bf16" else "bf16"
+    print(f"writing in {other} (the same instructions and draws; its stories differ a little): "
+          f"{median['other_tokens'] / median['other_writing']:,.0f} generated tokens per second")
     print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
-          f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens), "
-          f"{update_flops / median['update'] / peak:.0%} of the {precision} matrix-product peak "
-          f"({peak / 1e12:.2f} TFLOP/s)")
+          f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens)")
     print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
     drift = precision_drift(policy, tokenizer, asks, device)
     print(f"\nbf16 against fp32, same weights: {drift['mean_abs_per_token']:.4f} nats per token on average, "

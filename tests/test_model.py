@@ -77,6 +77,18 @@ def test_sampling_follows_the_model_distribution():
     assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
 
 
+def test_sampling_over_blocks_of_tokens_follows_the_model_distribution():
+    # next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
+    # vocabulary of several blocks and a padded last one, its probability spread over all of them.
+    vocab = 3 * gpt.BLOCK + 10
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 1.5
+    tokens = gpt.next_token(logits.repeat(40000, 1), 1.0, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(tokens, minlength=vocab).float() / len(tokens)
+    expected = torch.softmax(logits[0], -1)
+    assert len(shares) == vocab  # no token past the vocabulary
+    assert (shares - expected).abs().max() < 0.006 and (shares - expected).abs().sum() / 2 < 0.04
+
+
 def test_generation_stops_at_the_stop_token_and_pads_with_it():
     model = tiny_model()
     prompt = torch.randint(0, 97, (4, 6), generator=torch.Generator().manual_seed(3))

@@ -72,22 +72,31 @@ def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):
     return stories, found, [len(tokens) for tokens, _ in steps]
 
 
-def test_token_logprobs_of_written_stories_are_those_they_were_sampled_from(monkeypatch):
+# In float32 the log-probabilities of the update are those of the draws, to rounding. In bfloat16,
+# the scripts' precision where it is faster, the writing (one token at a time, its attention over
+# the cache in float32) and the update (whole stories) round differently: they agree to bfloat16's
+# rounding, a hundredth of a nat on average, where the clip allows 0.18 either way.
+@pytest.mark.parametrize("precision, worst, mean", [("fp32", 1e-5, 1e-5), ("bf16", 0.1, 0.02)])
+def test_token_logprobs_of_written_stories_are_those_they_were_sampled_from(monkeypatch, precision, worst, mean):
     model = tiny_policy()
     # As in a rollout: groups that repeat one prompt (GRPO's) and a batch of different prompts of
     # one length (PPO's), of several lengths, in one batch, at temperature 1, rows ending at stop.
     groups = [torch.tensor([[0, 3, 4, 5]]).repeat(3, 1), torch.tensor([[0, 6]]).repeat(3, 1),
               torch.tensor([[0, 7, 8], [0, 9, 10], [0, 11, 12]])]
     stop = 1
-    stories, drawn, batch_sizes = write_and_record(model, groups, 24, stop, monkeypatch)
+    with autocast("cpu", precision):
+        stories, drawn, batch_sizes = write_and_record(model, groups, 24, stop, monkeypatch)
     assert min(batch_sizes) < 9 and any(stop not in s for s in stories)  # rows left, others wrote on
     prompts = [row.tolist() for group in groups for row in group]
     x, y, mask = ppo.pack(prompts, stories, pad=0, device="cpu")
-    with torch.no_grad():
+    with torch.no_grad(), autocast("cpu", precision):
         packed = ppo.token_logprobs(model, x, y)
+    gaps = []
     for row, (prompt, story) in enumerate(zip(prompts, stories)):
         start = len(prompt) - 1
-        assert packed[row, start:start + len(story)].tolist() == pytest.approx(drawn[row], abs=1e-5)
+        assert len(drawn[row]) == len(story)
+        gaps += [abs(a - b) for a, b in zip(packed[row, start:start + len(story)].tolist(), drawn[row])]
+    assert max(gaps) <= worst and sum(gaps) / len(gaps) <= mean
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
