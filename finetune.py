@@ -74,7 +74,7 @@ HELD_BACK = 256  # train instructions kept out of training, for the instruction 
 # full download (over half a million) more than a 3,000-step run asks for (36,000), not the whole file.
 TUNE_POOL = 50_000
 EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
-DEMO_TOKENS = 200  # its most tokens: a whole story
+DEMO_TOKENS = 200  # its most tokens: a whole story, as many as sample.MAX_NEW_TOKENS (episode 4) gives one
 
 
 def encode_example(tokenizer, example):
