@@ -208,9 +208,10 @@ def stories(path):
 # ---------------------------------------------------------------- instructions
 
 def instruction(words):
-    """The text that asks for three words; the story follows on the next line."""
-    first, second, third = words
-    return f"Write a story that uses the words {first}, {second} and {third}.\n"
+    """The text that asks for the words, three of them in the files ("kite, river and brave");
+    the story follows on the next line."""
+    *others, last = words
+    return f"Write a story that uses the words {', '.join(others)} and {last}.\n"
 
 
 def askable_words(train_path):
@@ -243,19 +244,19 @@ def write_words(path, askable, nouns):
         tmp.write_text(json.dumps({"askable": sorted(askable), "nouns": sorted(nouns)}, indent=0) + "\n")
 
 
-def pick_words(story, askable, seed=SEED):
-    """Three distinct askable words that the story uses, the same for a story and a seed
-    whatever the order of the file; None when the story has fewer than three."""
+def pick_words(story, askable, seed=SEED, count=3):
+    """count distinct askable words that the story uses (all of them if it has fewer), the same
+    for a story and a seed whatever the order of the file; None when the story has fewer than three."""
     used = sorted(set(LOWERCASE_WORD.findall(story)) & askable)
     if len(used) < 3:
         return None
     rng = random.Random(hashlib.sha256(f"{seed}:{story}".encode()).digest())
-    return rng.sample(used, 3)
+    return rng.sample(used, min(count, len(used)))
 
 
-def ask(story, askable, seed=SEED):
-    """The instruction for a story, as written to the files, or None."""
-    words = pick_words(story, askable, seed)
+def ask(story, askable, seed=SEED, count=3):
+    """The instruction for a story, as written to the files (three words), or None."""
+    words = pick_words(story, askable, seed, count)
     if words is None:
         return None
     return {"words": words, "instruction": instruction(words), "story": story}

@@ -28,6 +28,9 @@ them, --lr 1e-3 --plain-share 0.25, the default. Step 6's lever, --swap SHARE: t
 of the asked words that are nouns (data/words.json) is replaced throughout the story by
 another noun, drawn anew on each pass, and the instruction asks for it, so that however
 well a story is remembered, only the instruction tells which noun comes.
+--words N, step 8's lever: each training story is asked for N of its words (all it has, if
+fewer) where the evaluation asks for three, so that more of a story's tokens are first uses of
+a word its instruction names, the tokens only the instruction can help with.
 --first-use-weight W, step 7's diagnostic and no recipe: the loss on the first use of each
 asked word counts W times, to learn whether this model can learn to read the words from its
 instruction at all when the loss asks for it loudly enough (the words it was asked for are a
@@ -43,6 +46,7 @@ of the shared sample's and more than any run asks for on the full download.
     python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
     python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
     python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
+    python finetune.py --steps 400 --words 8 --keep              # step 8's lever
 """
 import json
 import random
@@ -66,6 +70,7 @@ MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pre
 LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
 PLAIN_SHARE = 0.25  # of each batch: plain stories, the replay that keeps the loss on plain stories
 SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (step 6's lever)
+WORDS = 3  # asked of each training story, as many as the evaluation asks for
 MIN_LR = 3e-5
 WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
@@ -90,11 +95,12 @@ def a_pass(rng, stories, asks, epoch):
     return [(i // asks, SEED + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
 
 
-def ask_anew(story, askable, seed, nouns=(), swap=0.0):
-    """A story as an instruction, asked for three words it uses, drawn with the seed (a new one
-    for each pass over the stories; the first pass's are the words of data/instructions.jsonl),
-    with a share `swap` of the asked nouns swapped for other nouns throughout the story."""
-    example = ask(story, askable, seed)
+def ask_anew(story, askable, seed, nouns=(), swap=0.0, words=WORDS):
+    """A story as an instruction, asked for `words` words it uses (all it has, if fewer), drawn
+    with the seed (a new one for each pass over the stories; with three words, the first pass's
+    are those of data/instructions.jsonl), with a share `swap` of the asked nouns swapped for
+    other nouns throughout the story."""
+    example = ask(story, askable, seed, words)
     return swap_nouns(example, nouns, swap, seed) if swap else example
 
 
@@ -159,11 +165,12 @@ def plain_windows(tokens, rng, count):
 
 
 def run_name(args):
-    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1, -first-use-10)
-    with a lever off its default."""
+    """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1, -words-8,
+    -first-use-10) with a lever off its default."""
     return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
             + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else "")
             + (f"-swap-{args.swap:g}" if args.swap != SWAP else "")
+            + (f"-words-{args.words}" if args.words != WORDS else "")
             + (f"-first-use-{args.first_use_weight:g}" if args.first_use_weight != 1 else ""))
 
 
@@ -205,15 +212,18 @@ def main():
                         help=f"the share of each batch given to plain pretraining stories (default {PLAIN_SHARE:g})")
     parser.add_argument("--swap", type=float, default=SWAP,
                         help=f"the share of asked nouns swapped for other nouns throughout the story (default {SWAP:g})")
+    parser.add_argument("--words", type=int, default=WORDS,
+                        help=f"words each training story is asked for, all it has if fewer (default {WORDS}, as the "
+                             f"evaluation asks)")
     parser.add_argument("--first-use-weight", type=float, default=1.0,
                         help="a diagnostic, not a recipe: the loss on the first use of each asked word counts this "
                              "many times (default 1, no weight)")
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
-            and 0 <= args.swap <= 1 and args.first_use_weight > 0):
-        parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, --first-use-weight "
-                     f"above 0, and --plain-share 0 "
+            and 0 <= args.swap <= 1 and args.words >= 3 and args.first_use_weight > 0):
+        parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, --words at least 3, "
+                     f"--first-use-weight above 0, and --plain-share 0 "
                      f"or a share that leaves at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name
@@ -273,11 +283,11 @@ def main():
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
-        # Go through the stories in a new order each epoch, each asked for three other words it
-        # uses: the words must be read from the instruction, as no story comes with the same ones twice.
+        # Go through the stories in a new order each epoch, each asked for other words it uses (three,
+        # or --words): the words must be read from the instruction, as no story comes with the same ones twice.
         if position + asked_rows > len(asks):
             epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1)
-        examples = [ask_anew(tune_stories[story], askable, seed, nouns, args.swap)
+        examples = [ask_anew(tune_stories[story], askable, seed, nouns, args.swap, args.words)
                     for story, seed in asks[position:position + asked_rows]]
         position += asked_rows
         batch = [encode_example(tokenizer, example) for example in examples]

@@ -73,6 +73,10 @@ RECIPES = {"finetune": "default recipe", "finetune-swap-1": "--swap 1 (asked nou
 FIRST_USE = {"finetune-swap-1-first-use-20": "--swap 1 --first-use-weight 20",
              "finetune-first-use-20": "--first-use-weight 20"}
 
+# Episode 3's step 8: each training story asked for more of its words (finetune.py --words N).
+MORE_WORDS = {"finetune-words-8": "--words 8", "finetune-words-16": "--words 16",
+              "finetune-words-24-steps-400": "--words 24", "finetune-words-24": "--words 24, 1,000 steps"}
+
 
 def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
     """The words used on the held-out instructions (the mean of the seeds, and the lowest and
@@ -150,6 +154,7 @@ def main():
              [(*scalars(run, tag), label) for tag, label in tags.items()])
     finetune_curves()
     finetune_curves(FIRST_USE, "finetune-first-use.png")
+    finetune_curves(MORE_WORDS, "finetune-more-words.png")
     rl_table()
 
 

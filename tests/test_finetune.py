@@ -7,7 +7,7 @@ import torch
 
 import finetune
 import train
-from data import SEED, instruction
+from data import LOWERCASE_WORD, SEED, instruction
 from files import read_instructions, read_words
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt, load_tokenizer
@@ -59,6 +59,21 @@ def test_each_pass_asks_each_story_for_words_it_uses_drawn_anew(workspace):
     for prompt, story in zip(prompts, stories):
         words = asked_words(prompt)
         assert len(words) == 3 and all(word in story for word in words)
+
+
+def test_a_story_asked_for_more_words_names_that_many_of_its_own_in_its_instruction(workspace):
+    askable, _ = read_words(workspace / "data" / "words.json")
+    stories = [i["story"] for i in read_instructions(workspace / "data" / "instructions.jsonl")[:40]]
+    for story in stories:
+        example = finetune.ask_anew(story, askable, SEED + 1, words=8)
+        words = example["words"]
+        own = set(LOWERCASE_WORD.findall(story)) & askable
+        assert len(set(words)) == len(words) == min(8, len(own)) and set(words) <= own
+        assert example["instruction"] == f"Write a story that uses the words {', '.join(words[:-1])} and {words[-1]}.\n"
+        assert asked_words(example["instruction"]) == words
+    assert sum(len(finetune.ask_anew(story, askable, SEED, words=8)["words"]) > 3 for story in stories) > 30
+    # Three words read as the files and the evaluation write them.
+    assert instruction(["kite", "river", "brave"]) == "Write a story that uses the words kite, river and brave.\n"
 
 
 def asked_words(prompt):
@@ -128,12 +143,14 @@ def test_plain_rows_are_windows_of_the_pretraining_tokens_every_token_a_target()
 
 
 def test_each_lever_names_its_own_folder():
-    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP, first_use_weight=1.0):
-        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap,
+    def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP, words=finetune.WORDS,
+             first_use_weight=1.0):
+        return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap, words=words,
                                                     first_use_weight=first_use_weight))
     assert name() == "finetune"
-    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1), name(first_use_weight=10)] == [
-        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1", "finetune-first-use-10"]
+    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1), name(words=8), name(first_use_weight=10)] == [
+        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1", "finetune-words-8",
+        "finetune-first-use-10"]
 
 
 def test_the_first_use_of_each_asked_word_is_weighed_and_nothing_else(workspace):
