@@ -31,6 +31,9 @@ well a story is remembered, only the instruction tells which noun comes.
 --words N, step 8's lever: each training story is asked for N of its words (all it has, if
 fewer) where the evaluation asks for three, so that more of a story's tokens are first uses of
 a word its instruction names, the tokens only the instruction can help with.
+--seed N trains with another seed (the order of the stories, the words each pass asks for,
+the replay's windows, the dropout) into a folder of its own, finetune-seed-N, to tell a
+recipe from its luck; the held-back instructions are the same for every seed.
 --first-use-weight W, step 7's diagnostic and no recipe: the loss on the first use of each
 asked word counts W times, to learn whether this model can learn to read the words from its
 instruction at all when the loss asks for it loudly enough (the words it was asked for are a
@@ -47,6 +50,7 @@ of the shared sample's and more than any run asks for on the full download.
     python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
     python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
     python finetune.py --steps 400 --words 8 --keep              # step 8's lever
+    python finetune.py --steps 1000 --words 24 --plain-share 0.5 --keep   # step 9's
 """
 import json
 import random
@@ -89,10 +93,11 @@ def encode_example(tokenizer, example):
     return tokens[:MAX_LENGTH], len(prompt)
 
 
-def a_pass(rng, stories, asks, epoch):
+def a_pass(rng, stories, asks, epoch, seed=SEED):
     """One pass over the stories, in a shuffled order: each story's index `asks` times, with
-    the seed of each of its asks, new for each pass (the first pass's first is the file's)."""
-    return [(i // asks, SEED + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
+    the seed of each of its asks, new for each pass (with the run's default seed, the first
+    pass's first is the file's)."""
+    return [(i // asks, seed + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
 
 
 def ask_anew(story, askable, seed, nouns=(), swap=0.0, words=WORDS):
@@ -166,12 +171,13 @@ def plain_windows(tokens, rng, count):
 
 def run_name(args):
     """The run's folder: finetune, or finetune-lr-0.0003 (-asks-3, -plain-0, -swap-1, -words-8,
-    -first-use-10) with a lever off its default."""
+    -first-use-10) with a lever off its default, and -seed-2 for another training seed."""
     return ("finetune" + (f"-lr-{args.lr:g}" if args.lr != LR else "") + (f"-asks-{args.asks}" if args.asks > 1 else "")
             + (f"-plain-{args.plain_share:g}" if args.plain_share != PLAIN_SHARE else "")
             + (f"-swap-{args.swap:g}" if args.swap != SWAP else "")
             + (f"-words-{args.words}" if args.words != WORDS else "")
-            + (f"-first-use-{args.first_use_weight:g}" if args.first_use_weight != 1 else ""))
+            + (f"-first-use-{args.first_use_weight:g}" if args.first_use_weight != 1 else "")
+            + (f"-seed-{args.seed}" if args.seed != SEED else ""))
 
 
 def collate(examples, pad, device):
@@ -218,6 +224,9 @@ def main():
     parser.add_argument("--first-use-weight", type=float, default=1.0,
                         help="a diagnostic, not a recipe: the loss on the first use of each asked word counts this "
                              "many times (default 1, no weight)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help=f"the training seed: the order of the stories, the words asked, the replay, the dropout "
+                             f"(default {SEED}; the held-back instructions are the same for every seed)")
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
@@ -232,19 +241,19 @@ def main():
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH,
-                "max_length": MAX_LENGTH, "min_lr": MIN_LR, "warmup": WARMUP, "seed": SEED}
+                "max_length": MAX_LENGTH, "min_lr": MIN_LR, "warmup": WARMUP}
     print(json.dumps(settings))
     tokenizer = load_tokenizer()
-    torch.manual_seed(SEED)
+    torch.manual_seed(args.seed)
     model = load_checkpoint(CHECKPOINTS / "pretrain", device, tokenizer)
     optimizer = make_optimizer(model, args.lr)
 
-    # Shuffle once with the seed; the last HELD_BACK examples measure the instruction loss.
-    rng = np.random.default_rng(SEED)
+    # Shuffle once with the series' seed, whatever the run's: the last HELD_BACK examples measure the
+    # instruction loss, the same ones for every run (bench/instruction_probe.py reads them too).
     instructions = read_instructions(limit=TUNE_POOL)
     if len(instructions) < HELD_BACK + BATCH:
         raise SystemExit(f"{len(instructions)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
-    order = rng.permutation(len(instructions))
+    order = np.random.default_rng(SEED).permutation(len(instructions))
     tune_stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
     held_back = [encode_example(tokenizer, instructions[i]) for i in order[-HELD_BACK:]]
     askable, nouns = read_words()
@@ -276,8 +285,10 @@ def main():
 
     evaluate_and_save(save=False)  # the pretrained model's figures, to compare against
     model.train()
+    # The run's own seed draws the rest: the passes' orders, the words asked, the replay's windows.
+    rng = np.random.default_rng(args.seed)
     # Each example is made as it is drawn, so that nothing waits on the size of the data.
-    epoch, position, asks = 0, 0, a_pass(rng, len(tune_stories), args.asks, 0)
+    epoch, position, asks = 0, 0, a_pass(rng, len(tune_stories), args.asks, 0, args.seed)
     started = time.time()
     while True:
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
@@ -286,7 +297,7 @@ def main():
         # Go through the stories in a new order each epoch, each asked for other words it uses (three,
         # or --words): the words must be read from the instruction, as no story comes with the same ones twice.
         if position + asked_rows > len(asks):
-            epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1)
+            epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1, args.seed)
         examples = [ask_anew(tune_stories[story], askable, seed, nouns, args.swap, args.words)
                     for story, seed in asks[position:position + asked_rows]]
         position += asked_rows

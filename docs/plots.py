@@ -76,6 +76,9 @@ FIRST_USE = {"finetune-swap-1-first-use-20": "--swap 1 --first-use-weight 20",
 # Episode 3's step 8: each training story asked for more of its words (finetune.py --words N).
 MORE_WORDS = {"finetune-words-8": "--words 8", "finetune-words-16": "--words 16",
               "finetune-words-24-steps-400": "--words 24", "finetune-words-24": "--words 24, 1,000 steps"}
+# Episode 3's step 9: 24 words with half of each batch plain stories (--plain-share 0.5), 1,000 steps.
+LARGER_REPLAY = {"finetune-words-24": "--words 24 (a quarter plain stories)",
+                 "finetune-plain-0.5-words-24": "--words 24 --plain-share 0.5"}
 
 
 def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
@@ -155,6 +158,7 @@ def main():
     finetune_curves()
     finetune_curves(FIRST_USE, "finetune-first-use.png")
     finetune_curves(MORE_WORDS, "finetune-more-words.png")
+    finetune_curves(LARGER_REPLAY, "finetune-larger-replay.png")
     rl_table()
 
 

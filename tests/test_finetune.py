@@ -88,6 +88,9 @@ def test_a_pass_asks_each_story_asks_times_with_seeds_new_on_each_pass():
     # Shuffled: a story's two asks are not side by side, and the passes' orders differ.
     assert sum(a[0] == b[0] for a, b in zip(first, first[1:])) < 5
     assert [story for story, _ in first] != [story for story, _ in second]
+    # Another training seed asks for other words on every pass, the first one included.
+    other = finetune.a_pass(np.random.default_rng(0), 40, 2, 0, seed=7)
+    assert sorted(other) == [(story, 7 + k) for story in range(40) for k in (0, 1)]
 
 
 NOUNS = {"kite", "river", "cake", "frog", "boat", "pond", "hat", "sun", "kites", "boats", "frogs"}
@@ -144,13 +147,14 @@ def test_plain_rows_are_windows_of_the_pretraining_tokens_every_token_a_target()
 
 def test_each_lever_names_its_own_folder():
     def name(lr=finetune.LR, asks=1, plain_share=finetune.PLAIN_SHARE, swap=finetune.SWAP, words=finetune.WORDS,
-             first_use_weight=1.0):
+             first_use_weight=1.0, seed=SEED):
         return finetune.run_name(argparse.Namespace(lr=lr, asks=asks, plain_share=plain_share, swap=swap, words=words,
-                                                    first_use_weight=first_use_weight))
+                                                    first_use_weight=first_use_weight, seed=seed))
     assert name() == "finetune"
-    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1), name(words=8), name(first_use_weight=10)] == [
-        "finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1", "finetune-words-8",
-        "finetune-first-use-10"]
+    assert [name(lr=3e-4), name(asks=3), name(plain_share=0), name(swap=1), name(words=8), name(first_use_weight=10),
+            name(seed=2)] == ["finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1",
+                              "finetune-words-8", "finetune-first-use-10", "finetune-seed-2"]
+    assert name(words=24, plain_share=0.5, seed=3) == "finetune-plain-0.5-words-24-seed-3"
 
 
 def test_the_first_use_of_each_asked_word_is_weighed_and_nothing_else(workspace):

@@ -2,10 +2,12 @@
 few steps, in a copy of the workspace's data."""
 import errno
 import os
+import re
 import shutil
 import sys
 
 import pytest
+import torch
 
 import dpo
 import finetune
@@ -79,6 +81,21 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert [plain_rows(y) for y in targets] == [[False] * 16] * 2
     assert read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]["settings"]["lr"] == finetune.LR  # left alone
     assert (learner / "runs" / "finetune-lr-0.0003-asks-2-plain-0-swap-1").exists()
+
+    # Another training seed: its own folder, other batches, the same held-back instructions to measure.
+    capsys.readouterr()
+    targets.clear()
+    run(finetune, monkeypatch, "--steps", "1")
+    default_run = capsys.readouterr().out
+    default_batch = targets[0]
+    targets.clear()
+    run(finetune, monkeypatch, "--steps", "1", "--seed", "2")
+    seeded_run = capsys.readouterr().out
+    seeded = read_checkpoint(learner / "checkpoints" / "finetune-seed-2")["made_by"]
+    assert seeded["settings"]["seed"] == 2 and seeded["step"] == 1
+    assert not torch.equal(targets[0], default_batch)
+    held_back_loss = re.compile(r"step 0: loss on held-back instructions ([0-9.]+)")
+    assert held_back_loss.search(seeded_run).group(1) == held_back_loss.search(default_run).group(1)
 
 
 def plain_rows(targets):
