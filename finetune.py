@@ -82,6 +82,7 @@ HELD_BACK = 256  # train instructions kept out of training, for the instruction 
 # Fine-tuning reads the first TUNE_POOL instructions: all of the shared sample's 1,240, and on the
 # full download (over half a million) more than a 3,000-step run asks for (36,000), not the whole file.
 TUNE_POOL = 50_000
+SEEDS_APART = 1_000_000  # asks of a story between two training seeds' first: more than any run makes
 EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
 DEMO_TOKENS = 200  # its most tokens: a whole story, as many as sample.MAX_NEW_TOKENS (episode 4) gives one
 
@@ -96,8 +97,10 @@ def encode_example(tokenizer, example):
 def a_pass(rng, stories, asks, epoch, seed=SEED):
     """One pass over the stories, in a shuffled order: each story's index `asks` times, with
     the seed of each of its asks, new for each pass (with the run's default seed, the first
-    pass's first is the file's)."""
-    return [(i // asks, seed + epoch * asks + i % asks) for i in rng.permutation(stories * asks).tolist()]
+    pass's first is the file's). Two runs' seeds are SEEDS_APART asks apart, so that no two
+    runs ever ask a story with the same seed, whatever their seeds and passes."""
+    first = SEED + (seed - SEED) * SEEDS_APART + epoch * asks
+    return [(i // asks, first + i % asks) for i in rng.permutation(stories * asks).tolist()]
 
 
 def ask_anew(story, askable, seed, nouns=(), swap=0.0, words=WORDS):
