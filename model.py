@@ -70,9 +70,10 @@ class KVCache:
         batch, heads, new, head_size = k.shape
         if self.keys is None:
             shape = (self.n_layer, batch, heads, self.length, head_size)
-            # In float32 even when the matrix products run in bfloat16: see attend_to_cache.
-            self.keys = torch.empty(shape, dtype=torch.float32, device=k.device)
-            self.values = torch.empty(shape, dtype=torch.float32, device=v.device)
+            # In the precision the layers give them: bfloat16 under its autocast, where each new
+            # token's attention reads the whole cache, so half the bytes is a faster step.
+            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
         end = self.filled + new
         self.keys[layer, :, :, self.filled:end] = k
         self.values[layer, :, :, self.filled:end] = v
@@ -82,8 +83,8 @@ class KVCache:
         # One new token per row, each at its row's own next position; a row sees only the
         # positions it has filled, not the slots a shorter prompt left empty.
         rows = torch.arange(k.size(0), device=k.device)
-        self.keys[layer, rows, :, self.filled] = k[:, :, 0].float()
-        self.values[layer, rows, :, self.filled] = v[:, :, 0].float()
+        self.keys[layer, rows, :, self.filled] = k[:, :, 0]
+        self.values[layer, rows, :, self.filled] = v[:, :, 0]
         end = int(self.filled.max()) + 1
         visible = torch.arange(end, device=k.device) <= self.filled[:, None]
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]
@@ -132,24 +133,10 @@ class SelfAttention(nn.Module):
             assert T == 1 or (not torch.is_tensor(cache.filled) and cache.filled == 0), \
                 "the cache takes a prompt first, then one token at a time"
             k, v, visible = cache.add(layer, k, v)
-        if cache is not None and T == 1:
-            y = attend_to_cache(q, k, v, visible)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=T > 1)
+        # Many tokens each see those before them; one new token sees its row's cached positions.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=T > 1)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
-
-
-def attend_to_cache(q, k, v, visible):
-    """One new token's attention over the cache, written out: its scores against every key,
-    the positions a row may not see ruled out, the softmax, and the values it weighs. For a
-    single query, torch's fused kernel is slower on a CPU than these two products, and in
-    bfloat16 slower still; so they run in float32 whatever the autocast, over a float32 cache."""
-    with torch.autocast(q.device.type, enabled=False):
-        scores = q.float() @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        return F.softmax(scores, dim=-1) @ v
 
 
 class MLP(nn.Module):

@@ -73,8 +73,8 @@ def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):
 
 
 # In float32 the log-probabilities of the update are those of the draws, to rounding. In bfloat16,
-# the scripts' precision where it is faster, the writing (one token at a time, its attention over
-# the cache in float32) and the update (whole stories) round differently: they agree to bfloat16's
+# the scripts' precision where it is faster, the writing (one token at a time, over a bfloat16
+# cache) and the update (whole stories) round differently: they agree to bfloat16's
 # rounding, a hundredth of a nat on average, where the clip allows 0.18 either way.
 @pytest.mark.parametrize("precision, worst, mean", [("fp32", 1e-5, 1e-5), ("bf16", 0.1, 0.02)])
 def test_token_logprobs_of_written_stories_are_those_they_were_sampled_from(monkeypatch, precision, worst, mean):
