@@ -79,6 +79,9 @@ MORE_WORDS = {"finetune-words-8": "--words 8", "finetune-words-16": "--words 16"
 # Episode 3's step 9: 24 words with half of each batch plain stories (--plain-share 0.5), 1,000 steps.
 LARGER_REPLAY = {"finetune-words-24": "--words 24 (a quarter plain stories)",
                  "finetune-plain-0.5-words-24": "--words 24 --plain-share 0.5"}
+# Episode 3's step 10: three eighths of each batch plain stories, between steps 8 and 9.
+REPLAY_THREE_EIGHTHS = {"finetune-plain-0.375-words-24": "--words 24 --plain-share 0.375",
+                        "finetune-plain-0.5-words-24": "--words 24 --plain-share 0.5"}
 
 
 def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
@@ -159,6 +162,7 @@ def main():
     finetune_curves(FIRST_USE, "finetune-first-use.png")
     finetune_curves(MORE_WORDS, "finetune-more-words.png")
     finetune_curves(LARGER_REPLAY, "finetune-larger-replay.png")
+    finetune_curves(REPLAY_THREE_EIGHTHS, "finetune-replay-three-eighths.png")
     rl_table()
 
 
