@@ -51,7 +51,7 @@ of the shared sample's and more than any run asks for on the full download.
     python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
     python finetune.py --steps 400 --words 8 --keep              # step 8's lever
     python finetune.py --steps 1000 --words 24 --plain-share 0.5 --keep   # step 9's
-    python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep # step 10's
+    python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep   # step 10's
 """
 import json
 import random
