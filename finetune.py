@@ -5,15 +5,17 @@ Each example is a prompt (an end-of-text, then "Write a story that uses the word
 river and brave." and a newline), then the story, then end-of-text: the instructions of
 data/instructions.jsonl, one per story that data.py kept out of pretraining (a story the
 model has read many times is predicted from its own first tokens, and the instruction would
-add nothing to the loss). Each pass over the stories asks each of them for three other words
-it uses, drawn anew (the first pass asks for the file's words), so the words can only be
-read from the instruction, never recalled with the story. The loss counts only the story's tokens and
-its end-of-text, so the model learns to answer instructions, not to write them, and to end
-a story on its own. Pretraining's optimizer, schedule over --minutes, training step and
-peak learning rate (train.py); a quarter of each batch is windows of the pretraining
-stories (data/train.bin, read as pretraining reads it), a replay that keeps the model
-writing stories as it did while it learns the instructions (step 4 found the larger rate
-alone loses that, and the replay pays it back).
+add nothing to the loss). Each pass over the stories asks each of them for WORDS, 24, of the
+words it uses (all it has, if fewer), drawn anew, where the evaluation asks for three: so the
+words can only be read from the instruction, never recalled with the story, and more of a
+story's tokens are first uses of a word its instruction names, the tokens only the
+instruction can help with. The loss counts only the story's tokens and its end-of-text, so
+the model learns to answer instructions, not to write them, and to end a story on its own.
+Pretraining's optimizer, schedule, training step and peak learning rate (train.py); three
+eighths of each batch is windows of the pretraining stories (data/train.bin, read as
+pretraining reads it), a replay that keeps the model writing stories as it did while it
+learns the instructions. The budget is STEPS, 1,000 steps, or --minutes if those run out
+first: the schedule runs over the steps, so any machine makes the same model, a faster one sooner.
 
 Two losses are logged: on instructions held back from training (is it learning the task?)
 and on plain valid stories (does it still write stories? it should stay close to the
@@ -24,13 +26,15 @@ The levers of episode 3's step 4, each run in a folder named after what it chang
 (checkpoints/finetune-lr-0.0003-plain-0, finetune-asks-3, finetune-plain-0): --lr, the
 peak learning rate; --asks N, each story asked for N sets of words on each pass;
 --plain-share, the share of each batch given to plain stories. Step 5 made the best of
-them, --lr 1e-3 --plain-share 0.25, the default. Step 6's lever, --swap SHARE: that share
+them, --lr 1e-3 --plain-share 0.25, the default until step 11. Step 6's lever, --swap SHARE: that share
 of the asked words that are nouns (data/words.json) is replaced throughout the story by
 another noun, drawn anew on each pass, and the instruction asks for it, so that however
 well a story is remembered, only the instruction tells which noun comes.
 --words N, step 8's lever: each training story is asked for N of its words (all it has, if
-fewer) where the evaluation asks for three, so that more of a story's tokens are first uses of
-a word its instruction names, the tokens only the instruction can help with.
+fewer) where the evaluation asks for three. Steps 9 and 10 gave 24 words a larger replay,
+half and three eighths of each batch; step 11 made three eighths, 24 words and 1,000 steps
+the default, when three training seeds agreed. Each step's command below is as it stood at
+its tag (git checkout ep3-9-larger-replay, say): today's defaults are step 11's.
 --seed N trains with another seed (the order of the stories, the words each pass asks for,
 the replay's windows, the dropout) into a folder of its own, finetune-seed-N, to tell a
 recipe from its luck; the held-back instructions are the same for every seed.
@@ -44,14 +48,14 @@ are cut there, so they end without their end-of-text; a batch is padded to its l
 example, the padding masked out of the loss; the first TUNE_POOL instructions are read, all
 of the shared sample's and more than any run asks for on the full download.
 
-    python finetune.py --minutes 20
-    python finetune.py --minutes 50 --keep
+    python finetune.py                    # 1,000 steps, at most --minutes 120
+    python finetune.py --keep --seed 2    # another training seed, each evaluation's model kept
     python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
     python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
     python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
     python finetune.py --steps 400 --words 8 --keep              # step 8's lever
     python finetune.py --steps 1000 --words 24 --plain-share 0.5 --keep   # step 9's
-    python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep   # step 10's
+    python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep   # step 10's, the default since step 11
 """
 import json
 import random
@@ -73,9 +77,11 @@ from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens,
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
 LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
-PLAIN_SHARE = 0.25  # of each batch: plain stories, the replay that keeps the loss on plain stories
+PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories
 SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (step 6's lever)
-WORDS = 3  # asked of each training story, as many as the evaluation asks for
+WORDS = 24  # asked of each training story (the evaluation asks for three): more first uses to learn from
+STEPS = 1_000  # the budget: where three training seeds all used 27% of the words or more (step 11)
+MINUTES = 120  # at most: 1,000 steps took 45 to 60 on two CPU cores
 MIN_LR = 3e-5
 WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
@@ -213,7 +219,7 @@ def instruction_loss(model, examples, pad, device, precision):
 
 
 def main():
-    parser = training_parser("Fine-tune the pretrained model on instructions.", minutes=20)
+    parser = training_parser("Fine-tune the pretrained model on instructions.", minutes=MINUTES, steps=STEPS)
     parser.add_argument("--keep", action="store_true",
                         help="also keep the model of each evaluation as step-N.pt, for a curve of words used against steps")
     parser.add_argument("--lr", type=float, default=LR, help=f"the peak learning rate (default {LR:g})")
@@ -223,8 +229,8 @@ def main():
     parser.add_argument("--swap", type=float, default=SWAP,
                         help=f"the share of asked nouns swapped for other nouns throughout the story (default {SWAP:g})")
     parser.add_argument("--words", type=int, default=WORDS,
-                        help=f"words each training story is asked for, all it has if fewer (default {WORDS}, as the "
-                             f"evaluation asks)")
+                        help=f"words each training story is asked for, all it has if fewer (default {WORDS}; the "
+                             f"evaluation asks for three)")
     parser.add_argument("--first-use-weight", type=float, default=1.0,
                         help="a diagnostic, not a recipe: the loss on the first use of each asked word counts this "
                              "many times (default 1, no weight)")
@@ -298,8 +304,8 @@ def main():
         progress = budget_used(time.time() - started, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
-        # Go through the stories in a new order each epoch, each asked for other words it uses (three,
-        # or --words): the words must be read from the instruction, as no story comes with the same ones twice.
+        # Go through the stories in a new order each epoch, each asked for other words it uses (24, or
+        # --words): the words must be read from the instruction, as no story comes with the same ones twice.
         if position + asked_rows > len(asks):
             epoch, position, asks = epoch + 1, 0, a_pass(rng, len(tune_stories), args.asks, epoch + 1, args.seed)
         examples = [ask_anew(tune_stories[story], askable, seed, nouns, args.swap, args.words)

@@ -43,11 +43,13 @@ EVAL_WINDOWS = 256  # fixed windows of valid.bin for the loss during training
 SEED = 1337
 
 
-def training_parser(description, minutes, precision=None):
-    """The options of every script that trains for a time budget (this one, finetune.py, dpo.py)."""
+def training_parser(description, minutes, precision=None, steps=None):
+    """The options of every script that trains for a budget of minutes, or of steps if those run
+    out first (this one, finetune.py, dpo.py)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--minutes", type=float, default=minutes, help=f"training time (default {minutes:g})")
-    parser.add_argument("--steps", type=int, help="stop after this many steps, if sooner")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help=f"stop after this many steps, if sooner (default {steps or 'none'})")
     parser.add_argument("--device", help="cpu, cuda or mps (default: the fastest there is)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=precision,
                         help=f"default: {precision or 'bf16 where it is faster'}")

@@ -15,7 +15,7 @@ import course
 FULL_COMMANDS = [
     ["data.py", "--source", "../shared/data/tinystories"],
     ["train.py", "--minutes", "60", "--device", "cpu"],
-    ["finetune.py", "--minutes", "20", "--device", "cpu"],
+    ["finetune.py", "--device", "cpu"],
     ["preferences.py", "--instructions", "2000", "--device", "cpu"],
     ["dpo.py", "--minutes", "10", "--device", "cpu"],
     ["ppo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],

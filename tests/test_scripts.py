@@ -55,12 +55,14 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
 
     # With --keep, each evaluation's model stays as step-N.pt, for the curve of words against steps.
-    # By default a quarter of each batch is plain stories (an end-of-text for their prompt).
+    # By default a run is STEPS steps, whatever the minutes allow beyond them, and three eighths of
+    # each batch is plain stories (an end-of-text for their prompt).
     monkeypatch.setattr(finetune, "EVAL_EVERY", 1)
+    monkeypatch.setattr(finetune, "STEPS", 2)
     real_step, targets = finetune.train_step, []
     monkeypatch.setattr(finetune, "train_step", lambda model, optimizer, x, y, *args: targets.append(y)
                         or real_step(model, optimizer, x, y, *args))
-    run(finetune, monkeypatch, "--steps", "2", "--keep")
+    run(finetune, monkeypatch, "--minutes", "1", "--keep")
     assert "(train.py, step 4)" in capsys.readouterr().out  # it loaded the pretrained model
     made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
@@ -70,7 +72,7 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert read_checkpoint(learner / "checkpoints" / "finetune" / "step-1.pt")["made_by"]["step"] == 1
     assert set(made_by["losses"]) == {"instructions", "plain"}
     assert (learner / "runs" / "finetune").exists() and (learner / "runs" / "pretrain").exists()
-    assert [plain_rows(y) for y in targets] == [[False] * 12 + [True] * 4] * 2
+    assert [plain_rows(y) for y in targets] == [[False] * 10 + [True] * 6] * 2
 
     # A lever's run goes to its own folder; with --plain-share 0, every example is an instruction.
     targets.clear()
