@@ -45,8 +45,9 @@ few tokens in two hundred of a story's loss).
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
-example, the padding masked out of the loss; the first TUNE_POOL instructions are read, all
-of the shared sample's and more than any run asks for on the full download.
+example, rounded up to a multiple of ALIGN positions (16: the attention is faster so), the
+padding masked out of the loss; the first TUNE_POOL instructions are read, all of the shared
+sample's and more than any run asks for on the full download.
 
     python finetune.py                    # 1,000 steps, at most --minutes 120
     python finetune.py --keep --seed 2    # another training seed, each evaluation's model kept
@@ -76,6 +77,9 @@ from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens,
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
+# A batch's positions, rounded up to a multiple: bf16 attention on the CPU ran two to three times
+# as slow at some lengths as at their multiple of 16 (217 against 224: bench/attention.py).
+ALIGN = 16
 LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
 PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories
 SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (step 6's lever)
@@ -191,8 +195,10 @@ def run_name(args):
 
 
 def collate(examples, pad, device):
-    """A padded batch; targets are -1 (skipped by the loss) over prompts and padding."""
-    length = max(len(tokens) for tokens, _ in examples) - 1
+    """A padded batch; targets are -1 (skipped by the loss) over prompts and padding. Its
+    positions are the longest example's, rounded up to a multiple of ALIGN (the context is one)."""
+    longest = max(len(tokens) for tokens, _ in examples) - 1
+    length = max(longest, min(-(-longest // ALIGN) * ALIGN, MAX_LENGTH))
     x = torch.full((len(examples), length), pad, dtype=torch.long)
     y = torch.full((len(examples), length), -1, dtype=torch.long)
     for row, (tokens, prompt_length) in enumerate(examples):

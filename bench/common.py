@@ -1,5 +1,6 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
-memory is its own, and describing the machine the figures came from."""
+memory is its own, timing a GPU's work and not only its queueing, and describing the machine
+the figures came from."""
 import json
 import os
 import platform
@@ -19,6 +20,12 @@ def machine():
         pass
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{cpu}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def synchronize(device):
+    """Waits for the GPU's queued work, so a timer around it measures the work (a CPU runs in order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def peak_memory_mb(device):

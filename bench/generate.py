@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, run_variant  # noqa: E402
+from bench.common import machine, peak_memory_mb, run_variant, synchronize  # noqa: E402
 from model import GPT, Config, next_token, pick_device  # noqa: E402
 
 PROMPT_LENGTH = 19  # as long as most instructions, end-of-text included
@@ -41,12 +41,10 @@ def measure(variant, stories, new_tokens, device):
     generator = torch.Generator(device=device).manual_seed(0)
     write = model.generate if variant == "cache" else lambda *args, **kwargs: without_cache(model, *args, **kwargs)
     write(prompt[:2], 4, generator=generator)  # warm up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     out = write(prompt, new_tokens, generator=generator)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     seconds = time.perf_counter() - started
     assert out.shape == (stories, PROMPT_LENGTH + new_tokens)
     return {"variant": variant, "seconds": seconds, "tokens_per_second": stories * new_tokens / seconds,

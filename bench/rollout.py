@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb  # noqa: E402
+from bench.common import machine, peak_memory_mb, synchronize  # noqa: E402
 from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
 from evaluate import words_used  # noqa: E402
 from grpo import GROUP, grpo_loss, group_advantages, rollout  # noqa: E402
@@ -37,11 +37,6 @@ from preferences import load_asks  # noqa: E402
 from sample import MAX_NEW_TOKENS  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(device, work):

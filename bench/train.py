@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, run_variant  # noqa: E402
+from bench.common import machine, peak_memory_mb, run_variant, synchronize  # noqa: E402
 from model import GPT, Config, pick_device  # noqa: E402
 from train import BATCH, CONTEXT, make_optimizer, train_step  # noqa: E402
 
@@ -34,13 +34,11 @@ def matmul_peak(device, dtype, size=4096, repeats=10):
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - started)
 
 
@@ -57,13 +55,11 @@ def measure(precision, steps, device):
     x = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT), device=device)
     y = torch.randint(0, model.config.vocab_size, (BATCH, CONTEXT), device=device)
     train_step(model, optimizer, x, y, device, precision, 1e-4)  # warm up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
         train_step(model, optimizer, x, y, device, precision, 1e-4)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     tokens_per_second = steps * BATCH * CONTEXT / (time.perf_counter() - started)
     peak = matmul_peak(device, DTYPES[precision])
     achieved = tokens_per_second * flops_per_token(model)

@@ -16,8 +16,16 @@ from tokenizer import encode_prompt, load_tokenizer
 def test_only_the_story_and_its_end_are_targets():
     examples = [([9, 1, 2, 3, 4, 5, 9], 3), ([9, 1, 2, 6, 9], 3)]  # prompt of 3, then the story
     x, y = finetune.collate(examples, pad=0, device="cpu")
-    assert x.tolist() == [[9, 1, 2, 3, 4, 5], [9, 1, 2, 6, 0, 0]]
-    assert y.tolist() == [[-1, -1, 3, 4, 5, 9], [-1, -1, 6, 9, -1, -1]]
+    padding = finetune.ALIGN - 6  # the longest example's 6 positions, rounded up
+    assert x.tolist() == [[9, 1, 2, 3, 4, 5] + [0] * padding, [9, 1, 2, 6, 0, 0] + [0] * padding]
+    assert y.tolist() == [[-1, -1, 3, 4, 5, 9] + [-1] * padding, [-1, -1, 6, 9, -1, -1] + [-1] * padding]
+
+
+@pytest.mark.parametrize("longest, positions", [(17, 16), (18, 32), (217, 224), (256, 256), (257, 256)])
+def test_a_batch_is_rounded_up_to_a_multiple_of_align_never_past_the_context(longest, positions):
+    x, y = finetune.collate([(list(range(longest)), 1)], pad=0, device="cpu")
+    assert x.shape == y.shape == (1, positions)
+    assert y[0, :longest - 1].tolist() == list(range(1, longest))  # every token a target, none lost
 
 
 def test_examples_are_prompt_story_and_end_cut_at_the_context(workspace, tmp_path):

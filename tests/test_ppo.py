@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 
+import finetune
 import model as gpt
 import ppo
 import rl
@@ -23,9 +24,10 @@ def tiny_policy(vocab_size=50, seed=0):
 def test_pack_masks_exactly_the_story_tokens_and_their_end_of_text():
     eot = 0
     x, y, mask = ppo.pack([[0, 11, 12], [0, 13]], [[4, 5, eot], [6]], pad=eot, device="cpu")
-    assert x.tolist() == [[0, 11, 12, 4, 5], [0, 13, 0, 0, 0]]  # the last token is only a target
-    assert y.tolist() == [[-1, -1, 4, 5, eot], [-1, 6, -1, -1, -1]]
-    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    padding = [0] * (finetune.ALIGN - 5)  # the longest row's 5 positions, rounded up
+    assert x.tolist() == [[0, 11, 12, 4, 5] + padding, [0, 13, 0, 0, 0] + padding]  # the last token is only a target
+    assert y.tolist() == [[-1, -1, 4, 5, eot] + [-1] * len(padding), [-1, 6, -1, -1, -1] + [-1] * len(padding)]
+    assert mask.tolist() == [[0, 0, 1, 1, 1] + padding, [0, 1, 0, 0, 0] + padding]
 
 
 def test_token_logprobs_equal_a_hand_computation():
@@ -35,8 +37,8 @@ def test_token_logprobs_equal_a_hand_computation():
         got = ppo.token_logprobs(model, x, y)
         logits, _ = model(x)
     by_hand = [torch.log_softmax(logits[0, 2 + i], -1)[t].item() for i, t in enumerate([9, 10, 0])]
-    assert got[0, 2:].tolist() == pytest.approx(by_hand, abs=1e-6)
-    assert got[0, :2].tolist() == [0.0, 0.0]
+    assert got[0, 2:5].tolist() == pytest.approx(by_hand, abs=1e-6)
+    assert got[0, :2].tolist() == [0.0, 0.0] and not got[0, 5:].any()  # the prompt and the padding
 
 
 def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):

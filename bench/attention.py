@@ -1,0 +1,77 @@
+"""
+Benchmark: torch's fused attention (scaled_dot_product_attention, causal) at the shapes of a
+GRPO update's minibatch, 16 stories of 6 heads of 64 channels, over lengths around a
+rollout's longest (about 220 positions), forward alone and forward with its backward pass,
+in bf16 and fp32. The lengths take turns, --repeats rounds, and each figure is the median:
+a busy machine slows them all alike.
+
+It is why finetune.collate rounds a batch's length up to a multiple of ALIGN positions: on
+the CPU we measured, some lengths run much slower than their neighbours in bf16.
+
+    python bench/attention.py               (about 15 seconds on a 2-core CPU)
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, synchronize  # noqa: E402
+from bench.train import DTYPES  # noqa: E402
+from model import Config, pick_device  # noqa: E402
+
+
+def attention_inputs(stories, length, dtype, device):
+    """Queries, keys and values laid out as the model's attention makes them: (stories, heads,
+    positions, head size), a view of (stories, positions, heads, head size)."""
+    config = Config()
+    shape = (stories, length, config.n_head, config.n_embd // config.n_head)
+    return [torch.randn(shape, dtype=dtype, device=device).transpose(1, 2).requires_grad_() for _ in range(3)]
+
+
+def milliseconds(device, q, k, v, backward):
+    synchronize(device)
+    started = time.perf_counter()
+    if backward:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    else:
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    synchronize(device)
+    return (time.perf_counter() - started) * 1000
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", type=int, nargs="+", default=[208, 216, 217, 218, 219, 220, 223, 224])
+    parser.add_argument("--stories", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.stories < 1 or min(args.lengths) < 1:
+        parser.error("--repeats, --stories and --lengths must be at least 1")
+    device = pick_device(args.device)
+    torch.manual_seed(0)
+    inputs = {(length, name): attention_inputs(args.stories, length, dtype, device)
+              for length in args.lengths for name, dtype in DTYPES.items()}
+    times = {(key, backward): [] for key in inputs for backward in (False, True)}
+    for _ in range(args.repeats):
+        for (key, backward), taken in times.items():
+            taken.append(milliseconds(device, *inputs[key], backward))
+    print(f"machine: {machine()}; device: {device}; {args.stories} stories, the median of {args.repeats} rounds")
+    headers = [f"{name} {what}" for name in DTYPES for what in ("forward", "forward and backward")]
+    print("| positions | " + " | ".join(headers) + " |")
+    print("| --- " * (len(headers) + 1) + "|")
+    for length in args.lengths:
+        cells = [f"{statistics.median(times[(length, name), backward]):.1f} ms"
+                 for name in DTYPES for backward in (False, True)]
+        print(f"| {length} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
