@@ -3,9 +3,14 @@ The docs' plots, drawn from the TensorBoard logs under runs/ and evaluate.py's r
 runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16), printed.
 
     pip install matplotlib && python docs/plots.py
+    python docs/plots.py rl-step-11-reward.png rl-step-11-heldout.png   # only these figures
 
-matplotlib is needed only here, to redraw the plots; the series itself doesn't use it.
+Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
+they are (episode 16's step 8 ran its GRPO and PPO again from another fine-tuned model, into
+the same folders as the runs of its earlier figures). matplotlib is needed only here, to
+redraw the plots; the series itself doesn't use it.
 """
+import argparse
 import json
 import re
 from pathlib import Path
@@ -36,11 +41,19 @@ PLOTS = [
 RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-1": "GRPO, KL 0.05, seed 1",
            "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0",
            "grpo/kl-0-seed-1": "GRPO, KL 0, seed 1", "grpo/kl-0.05-lr-1e-05": "GRPO, KL 0.05, lr 1e-5"}
+# Episode 16, step 8: the runs made again from episode 3's step 11 model.
+STEP_11_RUNS = {"grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2",
+                "grpo/kl-0.05-seed-3": "GRPO, KL 0.05, seed 3", "ppo/kl-0.05": "PPO, KL 0.05",
+                "ppo/kl-0.05-seed-2": "PPO, KL 0.05, seed 2"}
 COMPARISONS = [
     ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",
      "rollout/reward", RL_RUNS),
     ("rl-kl.png", "KL from the fine-tuned model, per story", "KL per story", "rollout/kl", RL_RUNS),
     ("rl-heldout.png", "Words used on the 50 held-out instructions", "share of the words", "words/heldout", RL_RUNS),
+    ("rl-step-11-reward.png", "From episode 3's step 11 model: the reward of each rollout", "share of the words",
+     "rollout/reward", STEP_11_RUNS),
+    ("rl-step-11-heldout.png", "From episode 3's step 11 model: words used on the 50 held-out instructions",
+     "share of the words", "words/heldout", STEP_11_RUNS),
 ]
 
 
@@ -84,7 +97,13 @@ REPLAY_THREE_EIGHTHS = {"finetune-plain-0.375-words-24": "--words 24 --plain-sha
                         "finetune-plain-0.5-words-24": "--words 24 --plain-share 0.5"}
 
 
-def finetune_curves(recipes=RECIPES, file="finetune-recipes.png"):
+# Each figure of fine-tuning recipes: (file, {run's folder: label}).
+FINETUNE_FIGURES = [("finetune-recipes.png", RECIPES), ("finetune-first-use.png", FIRST_USE),
+                    ("finetune-more-words.png", MORE_WORDS), ("finetune-larger-replay.png", LARGER_REPLAY),
+                    ("finetune-replay-three-eighths.png", REPLAY_THREE_EIGHTHS)]
+
+
+def finetune_curves(recipes, file):
     """The words used on the held-out instructions (the mean of the seeds, and the lowest and
     highest), the probe's nats and the loss on plain stories, against fine-tuning steps, from
     runs/evaluate/RUN-step-N.json and runs/probe/RUN-step-N.json; step 0 is the pretrained model."""
@@ -135,7 +154,7 @@ def rl_table():
     last five rollouts, the KL per story over the last five, and the share of tied groups."""
     print("| run | rollouts | reward, first 5 | reward, last 5 | KL per story, last 5 | tied groups |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for run, label in RL_RUNS.items():
+    for run, label in {**RL_RUNS, **STEP_11_RUNS}.items():
         if not (RUNS / run).exists():
             continue
         _, rewards = scalars(run, "rollout/reward")
@@ -147,22 +166,30 @@ def rl_table():
 
 
 def main():
+    parser = argparse.ArgumentParser(description="Draw the docs' plots from the logs under runs/.")
+    parser.add_argument("files", nargs="*", help="only these figures (rl-reward.png, ...); default: all")
+    files = parser.parse_args().files
+    drawn = [file for file, *_ in COMPARISONS + [(file,) for _, file, *_ in PLOTS]]
+    drawn += [file for file, _ in FINETUNE_FIGURES]
+    unknown = sorted(set(files) - set(drawn))
+    if unknown:
+        parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
     for file, title, ylabel, tag, runs in COMPARISONS:
         lines = [(*scalars(run, tag), label) for run, label in runs.items() if (RUNS / run).exists()]
-        if lines:
+        if lines and (not files or file in files):
             draw(file, title, "rollout", ylabel, lines)
     for run, file, title, ylabel, tags in PLOTS:
+        if files and file not in files:
+            continue
         if not (RUNS / run).exists():
             print(f"no runs/{run}: skipping {file}")
             continue
         draw(file, title, "rollout" if "/" in run else "step", ylabel,
              [(*scalars(run, tag), label) for tag, label in tags.items()])
-    finetune_curves()
-    finetune_curves(FIRST_USE, "finetune-first-use.png")
-    finetune_curves(MORE_WORDS, "finetune-more-words.png")
-    finetune_curves(LARGER_REPLAY, "finetune-larger-replay.png")
-    finetune_curves(REPLAY_THREE_EIGHTHS, "finetune-replay-three-eighths.png")
+    for file, recipes in FINETUNE_FIGURES:
+        if not files or file in files:
+            finetune_curves(recipes, file)
     rl_table()
 
 
