@@ -45,8 +45,9 @@ few tokens in two hundred of a story's loss).
 
 Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
 are cut there, so they end without their end-of-text; a batch is padded to its longest
-example, rounded up to a multiple of ALIGN positions (16: the attention is faster so), the
-padding masked out of the loss; the first TUNE_POOL instructions are read, all of the shared
+example, rounded up to a multiple of ALIGN positions (16: the attention is faster so, for
+the rollouts and DPO; with the replay's windows a batch already has 256), the padding masked
+out of the loss; the first TUNE_POOL instructions are read, all of the shared
 sample's and more than any run asks for on the full download.
 
     python finetune.py                    # 1,000 steps, at most --minutes 120
@@ -77,8 +78,8 @@ from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens,
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
-# A batch's positions, rounded up to a multiple: bf16 attention on the CPU ran two to three times
-# as slow at some lengths as at their multiple of 16 (217 against 224: bench/attention.py).
+# A batch's positions, rounded up to a multiple: bf16 attention on the CPU ran 2.2 to 3.7 times as
+# slow forward at some lengths as at their multiple of 16 (217 against 224: bench/attention.py).
 ALIGN = 16
 LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
 PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories

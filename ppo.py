@@ -105,7 +105,7 @@ def pack(prompts, stories, pad, device):
 def token_logprobs(model, x, y, hidden=False):
     """Each target's log-probability under model, in float32; 0 over prompts and padding.
     With hidden=True, the final layer norm's output too: the channels the critic reads.
-    MINIBATCH rows at a time: a whole rollout's logits at once, 128 x 220 x 5,376 numbers,
+    MINIBATCH rows at a time: a whole rollout's logits at once, 128 x 224 x 5,376 numbers,
     run far past the CPU's caches (twice as slow, measured), and a row's log-probabilities
     come out the same, to the last bit, whichever rows it shares a pass with."""
     logprobs, channels = [], []

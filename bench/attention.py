@@ -27,21 +27,23 @@ from model import Config, pick_device  # noqa: E402
 
 
 def attention_inputs(stories, length, dtype, device):
-    """Queries, keys and values laid out as the model's attention makes them: (stories, heads,
-    positions, head size), a view of (stories, positions, heads, head size)."""
+    """Queries, keys and values as the model's attention makes them: views (stories, heads,
+    positions, head size) of one product of all three, (stories, positions, 3 x channels)."""
     config = Config()
+    qkv = torch.randn(stories, length, 3 * config.n_embd, dtype=dtype, device=device, requires_grad=True)
     shape = (stories, length, config.n_head, config.n_embd // config.n_head)
-    return [torch.randn(shape, dtype=dtype, device=device).transpose(1, 2).requires_grad_() for _ in range(3)]
+    return qkv, [t.view(shape).transpose(1, 2) for t in qkv.split(config.n_embd, dim=2)]
 
 
-def milliseconds(device, q, k, v, backward):
+def milliseconds(device, qkv, qkv_views, backward):
+    qkv.grad = None  # each backward pass writes its gradient afresh, as in a training step
     synchronize(device)
     started = time.perf_counter()
     if backward:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        F.scaled_dot_product_attention(*qkv_views, is_causal=True).sum().backward()
     else:
         with torch.no_grad():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            F.scaled_dot_product_attention(*qkv_views, is_causal=True)
     synchronize(device)
     return (time.perf_counter() - started) * 1000
 
@@ -60,9 +62,11 @@ def main():
     inputs = {(length, name): attention_inputs(args.stories, length, dtype, device)
               for length in args.lengths for name, dtype in DTYPES.items()}
     times = {(key, backward): [] for key in inputs for backward in (False, True)}
-    for _ in range(args.repeats):
+    for timed in [False] + [True] * args.repeats:  # the first round warms up, untimed
         for (key, backward), taken in times.items():
-            taken.append(milliseconds(device, *inputs[key], backward))
+            taken_now = milliseconds(device, *inputs[key], backward)
+            if timed:
+                taken.append(taken_now)
     print(f"machine: {machine()}; device: {device}; {args.stories} stories, the median of {args.repeats} rounds")
     headers = [f"{name} {what}" for name in DTYPES for what in ("forward", "forward and backward")]
     print("| positions | " + " | ".join(headers) + " |")

@@ -26,6 +26,8 @@ def synchronize(device):
     """Waits for the GPU's queued work, so a timer around it measures the work (a CPU runs in order)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def peak_memory_mb(device):

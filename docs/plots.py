@@ -6,8 +6,9 @@ runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16),
     python docs/plots.py rl-step-11-reward.png rl-step-11-heldout.png   # only these figures
 
 Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
-they are (episode 16's step 8 ran its GRPO and PPO again from another fine-tuned model, into
-the same folders as the runs of its earlier figures). matplotlib is needed only here, to
+they are. Episode 16's step 8 ran its GRPO and PPO again from another fine-tuned model, into
+the same folders as the runs of the earlier figures, so its two figures are drawn only when
+named, and the other RL figures show whichever runs runs/ holds. matplotlib is needed only here, to
 redraw the plots; the series itself doesn't use it.
 """
 import argparse
@@ -126,6 +127,8 @@ def finetune_curves(recipes, file):
             probe.plot(*zip(*probed), marker="o", markersize=3, label=label)
         loss.plot(steps, [r["valid_loss"] for r in results], marker="o", markersize=3, label=label)
     if not drawn:
+        plt.close(figure)
+        print(f"none of the runs of {file} measured: skipping it")
         return
     words.set(title="Words used, held-out instructions", xlabel="fine-tuning step", ylabel="share of the words")
     probe.set(title="The instruction moves a word by", xlabel="fine-tuning step", ylabel="nats")
@@ -176,9 +179,14 @@ def main():
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
     for file, title, ylabel, tag, runs in COMPARISONS:
+        # Step 8's figures only when named: their runs share folders with the earlier figures'.
+        if (files and file not in files) or (not files and runs is STEP_11_RUNS):
+            continue
         lines = [(*scalars(run, tag), label) for run, label in runs.items() if (RUNS / run).exists()]
-        if lines and (not files or file in files):
-            draw(file, title, "rollout", ylabel, lines)
+        if not lines:
+            print(f"none of the runs of {file} in runs/: skipping it")
+            continue
+        draw(file, title, "rollout", ylabel, lines)
     for run, file, title, ylabel, tags in PLOTS:
         if files and file not in files:
             continue

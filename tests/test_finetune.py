@@ -21,11 +21,11 @@ def test_only_the_story_and_its_end_are_targets():
     assert y.tolist() == [[-1, -1, 3, 4, 5, 9] + [-1] * padding, [-1, -1, 6, 9, -1, -1] + [-1] * padding]
 
 
-@pytest.mark.parametrize("longest, positions", [(17, 16), (18, 32), (217, 224), (256, 256), (257, 256)])
-def test_a_batch_is_rounded_up_to_a_multiple_of_align_never_past_the_context(longest, positions):
-    x, y = finetune.collate([(list(range(longest)), 1)], pad=0, device="cpu")
+@pytest.mark.parametrize("tokens, positions", [(17, 16), (18, 32), (218, 224), (256, 256), (257, 256)])
+def test_a_batch_is_rounded_up_to_a_multiple_of_align_never_past_the_context(tokens, positions):
+    x, y = finetune.collate([(list(range(tokens)), 1)], pad=0, device="cpu")  # tokens - 1 positions
     assert x.shape == y.shape == (1, positions)
-    assert y[0, :longest - 1].tolist() == list(range(1, longest))  # every token a target, none lost
+    assert y[0, :tokens - 1].tolist() == list(range(1, tokens))  # every token a target, none lost
 
 
 def test_examples_are_prompt_story_and_end_cut_at_the_context(workspace, tmp_path):
