@@ -60,6 +60,7 @@ sample's and more than any run asks for on the full download.
     python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep   # step 10's, the default since step 11
 """
 import json
+import math
 import random
 import re
 import time
@@ -199,7 +200,8 @@ def collate(examples, pad, device):
     """A padded batch; targets are -1 (skipped by the loss) over prompts and padding. Its
     positions are the longest example's, rounded up to a multiple of ALIGN (the context is one)."""
     longest = max(len(tokens) for tokens, _ in examples) - 1
-    length = max(longest, min(-(-longest // ALIGN) * ALIGN, MAX_LENGTH))
+    rounded_up = math.ceil(longest / ALIGN) * ALIGN
+    length = max(longest, min(rounded_up, MAX_LENGTH))  # never past the context, which is a multiple
     x = torch.full((len(examples), length), pad, dtype=torch.long)
     y = torch.full((len(examples), length), -1, dtype=torch.long)
     for row, (tokens, prompt_length) in enumerate(examples):
