@@ -41,7 +41,7 @@ from data import instruction
 from evaluate import heldout_stories, load_instructions, words_used
 from files import check_writable
 from finetune import collate
-from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, pick_device, save_checkpoint
+from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, log_softmax_at, pick_device, save_checkpoint
 from preferences import load_pairs
 from sample import write
 from tokenizer import encode_prompt, load_tokenizer
@@ -79,9 +79,8 @@ def evaluate(model, tokenizer, instructions, writer, step, unit="step"):
 def target_logprobs(logits, y):
     """Each target's log-probability under logits, in float32; 0 where the target is -1 (the
     prompt and the padding)."""
-    # gather needs a valid index everywhere: -1 becomes 0, and the mask then zeroes those.
-    logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return logprobs * (y >= 0)
+    # Every row needs a valid index: -1 becomes 0, and the mask then zeroes those.
+    return log_softmax_at(logits, y.clamp(min=0)) * (y >= 0)
 
 
 def story_logprobs(model, x, y):

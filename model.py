@@ -14,7 +14,8 @@ instructions, each 8 times) is one batch too: each prompt runs once, each row th
 its own positions, and rows whose story has ended leave the batch.
 
 Shared by the later scripts: pick_device(), the CHECKPOINTS and RUNS folders,
-save_checkpoint() and load_checkpoint().
+save_checkpoint() and load_checkpoint(); and log_softmax_at(), each target's
+log-probability from the logits, which DPO, PPO and GRPO train on.
 
     python model.py    (prints the series' model and its parameter count)
 """
@@ -311,6 +312,59 @@ def next_token(logits, temperature, top_k, generator):
     place = torch.searchsorted(within, draw - before, right=True).clamp(max=BLOCK - 1)
     # Rounding can leave a draw a hair past its block's sum: it then takes the block's last token.
     return (block * BLOCK + place).squeeze(1).clamp(max=vocab - 1)
+
+
+# ---------------------------------------------------------------- log-probabilities
+
+CACHE_ROWS = 32  # rows of logits log_softmax_at takes at a time on a CPU: 32 x 5,376 float32 numbers, 688 KB
+
+
+def log_softmax_at(logits, targets):
+    """log_softmax(logits)[target] for each row's target index, in float32 (float64 for
+    float64 logits), with its gradient: F.log_softmax(logits.float(), -1).gather(...) without
+    the float32 copy of every logit it makes, and keeps for its backward pass (for a GRPO
+    minibatch, 16 x 224 x 5,376 numbers, 77 MB, written and read several times). On a CPU it
+    takes CACHE_ROWS rows at a time, few enough that they stay in the cache (a GPU takes all
+    the rows at once, in float32); the backward pass works each row's softmax out again from
+    the logits."""
+    return LogSoftmaxAt.apply(logits, targets)
+
+
+class LogSoftmaxAt(torch.autograd.Function):
+    """log_softmax_at's forward and backward passes."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        flat, flat_targets = logits.flatten(0, -2), targets.reshape(-1, 1)
+        precise = torch.promote_types(logits.dtype, torch.float32)
+        # log p(t) = logit_t - log sum_j e^logit_j: the row's log-sum, and its target's logit.
+        log_sums = torch.empty(len(flat), dtype=precise, device=logits.device)
+        picked = torch.empty_like(log_sums)
+        for rows in row_slices(flat):
+            chunk = flat[rows].to(precise)
+            log_sums[rows] = torch.logsumexp(chunk, dim=-1)
+            picked[rows] = chunk.gather(1, flat_targets[rows]).squeeze(1)
+        ctx.save_for_backward(logits, targets, log_sums)
+        return (picked - log_sums).view(targets.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # a gradient of the gradient would need the log-sums' own
+    def backward(ctx, grad):
+        # d log p(t) / d logit_j = [j = t] - softmax_j: the softmax again, from the logits and the row's log-sum.
+        logits, targets, log_sums = ctx.saved_tensors
+        flat, flat_targets = logits.flatten(0, -2), targets.reshape(-1, 1)
+        flat_grad = grad.reshape(-1, 1).to(log_sums.dtype)
+        grad_logits = torch.empty_like(flat)  # in the logits' precision, as their own gradient would be
+        for rows in row_slices(flat):
+            softmax = (flat[rows].to(log_sums.dtype) - log_sums[rows, None]).exp_()
+            grad_logits[rows] = softmax.mul_(-flat_grad[rows]).scatter_add_(1, flat_targets[rows], flat_grad[rows])
+        return grad_logits.view_as(logits), None
+
+
+def row_slices(flat):
+    """Slices of CACHE_ROWS rows on a CPU; one slice of them all on a GPU, where each slice is a kernel launch."""
+    step = CACHE_ROWS if flat.device.type == "cpu" else max(1, len(flat))
+    return [slice(start, start + step) for start in range(0, len(flat), step)]
 
 
 # ---------------------------------------------------------------- devices and precision

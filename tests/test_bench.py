@@ -1,11 +1,14 @@
 """The generation benchmark runs, both variants writing every token they are asked for
 (bench/generate.py asserts the shape), so its figures in the docs can be made again; and the
 cache it measures is faster than writing without it. The attention benchmark times every
-length it is given, in both precisions."""
+length it is given, in both precisions. The benchmark of two ways taking turns times both,
+and their log-probabilities agree."""
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,3 +28,26 @@ def test_attention_benchmark_times_each_length_in_each_precision():
                            "--repeats", "1", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, check=True)
     for length in (17, 32):
         assert re.search(rf"^\| {length} \|( [\d.]+ ms \|){{4}}$", done.stdout, re.MULTILINE)
+
+
+@pytest.mark.parametrize("comparison", ["align", "logprobs"])
+def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilities(comparison, run_main, monkeypatch,
+                                                                                  capsys):
+    import grpo
+    from bench import turns
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
+    # The way before step 9 must really run, not log_softmax_at twice.
+    by_gather, calls = turns.log_softmax_by_gather, []
+
+    def counted(*args):
+        calls.append(args)
+        return by_gather(*args)
+    monkeypatch.setattr(turns, "log_softmax_by_gather", counted)
+    run_main(turns, comparison, "--rollouts", "1", "--rounds", "2", "--device", "cpu", "--precision", "fp32")
+    assert bool(calls) == (comparison == "logprobs")
+    out = capsys.readouterr().out
+    for way in turns.WAYS[comparison]:
+        assert re.search(rf"^\| {way} \| [\d, ]+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.MULTILINE)
+    apart = float(re.search(r"differ by at most (\S+)$", out, re.MULTILINE).group(1))
+    assert apart < 1e-5

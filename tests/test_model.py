@@ -201,3 +201,51 @@ def test_stories_of_a_group_written_with_others_follow_the_model_distribution():
     shares = torch.bincount(out[1][:, -1], minlength=5).float() / 4000
     assert torch.allclose(shares, expected, atol=0.025)
 
+
+def log_softmax_by_autograd(logits, targets):
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(
+        -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def test_log_softmax_at_gives_the_log_softmax_and_its_gradient_across_slices_of_rows(monkeypatch):
+    monkeypatch.setattr(gpt, "CACHE_ROWS", 4)  # 3 x 5 = 15 rows: three slices of 4, one of 3
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 11, generator=generator, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 11, (3, 5), generator=generator)
+    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    got = gpt.log_softmax_at(logits, targets)
+    (got_grad,) = torch.autograd.grad(got, logits, upstream)
+    expected = log_softmax_by_autograd(logits, targets)
+    (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: gpt.log_softmax_at(x, targets), (logits,))
+
+
+def test_log_softmax_at_of_bfloat16_logits_is_float32_and_matches_log_softmax():
+    generator = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(2, 40, 97, generator=generator)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 97, (2, 40), generator=generator)
+    upstream = torch.randn(2, 40, generator=generator)
+    got = gpt.log_softmax_at(logits, targets)
+    (got_grad,) = torch.autograd.grad(got, logits, upstream)
+    expected = log_softmax_by_autograd(logits, targets)
+    (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
+    assert got.dtype == torch.float32 and got_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_grad.float(), expected_grad.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_log_softmax_at_leaves_float32_logits_as_they_were():
+    # float32 logits are not copied to work on: a slice of a larger tensor, as the model's are often views.
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 20, generator=generator)[..., :13].requires_grad_()
+    before = logits.detach().clone()
+    targets = torch.randint(0, 13, (2, 6), generator=generator)
+    got = gpt.log_softmax_at(logits, targets)
+    got.sum().backward()
+    (expected_grad,) = torch.autograd.grad(log_softmax_by_autograd(logits, targets).sum(), logits)
+    assert torch.equal(logits.detach(), before)
+    torch.testing.assert_close(got, log_softmax_by_autograd(logits, targets), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits.grad, expected_grad, rtol=0, atol=1e-6)

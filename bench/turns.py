@@ -1,0 +1,136 @@
+"""
+Benchmark: two ways of doing one piece of a GRPO rollout's work, taking turns on the same
+stories. For each of --rollouts rollouts from the fine-tuned model, --rounds times each way:
+one model's log-probabilities over the 128 stories, then one update minibatch of 16
+(forward, backward and the optimizer's step, at a learning rate too small to move the
+model). Taking turns in one process, the two ways meet the same machine: separate runs of
+bench/rollout.py move with a busy machine by more than these changes do; and the way that
+goes first changes each round. The medians, and how far apart the two ways'
+log-probabilities (without gradients) are.
+
+The ways compared, each the change of one step of episode 16:
+- align (step 7): a rollout packed at its own length (ALIGN 1), or rounded up to a multiple
+  of finetune.ALIGN positions;
+- logprobs (step 9): each target's log-probability from torch's log_softmax over a float32
+  copy of every logit, or from model.log_softmax_at.
+
+    python bench/turns.py align           (about 4 minutes on a 2-core CPU)
+    python bench/turns.py logprobs        (about 4 minutes)
+"""
+import argparse
+import statistics
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dpo  # noqa: E402
+import finetune  # noqa: E402
+from bench.common import machine, synchronize  # noqa: E402
+from grpo import grpo_loss, group_advantages, rollout  # noqa: E402
+from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
+from ppo import MINIBATCH, pack, token_logprobs  # noqa: E402
+from preferences import load_asks  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+from train import optimizer_step  # noqa: E402
+
+
+@contextmanager
+def patched(module, name, value):
+    """module.name set to value, for the time of a with block."""
+    kept = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, kept)
+
+
+def log_softmax_by_gather(logits, targets):
+    """What model.log_softmax_at replaced: torch's log_softmax over a float32 copy of every logit."""
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# For each comparison, its two ways: the one before the step, then the step's, each a with block.
+WAYS = {
+    "align": {"ALIGN 1": lambda: patched(finetune, "ALIGN", 1), f"ALIGN {finetune.ALIGN}": nullcontext},
+    "logprobs": {"log_softmax": lambda: patched(dpo, "log_softmax_at", log_softmax_by_gather),
+                 "log_softmax_at": nullcontext},
+}
+
+
+def seconds(device, work):
+    synchronize(device)
+    started = time.perf_counter()
+    result = work()
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("comparison", choices=sorted(WAYS))
+    parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--device")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], help="default: the scripts' for the device")
+    args = parser.parse_args()
+    if args.rollouts < 1 or not 1 <= args.rounds <= 128 // MINIBATCH:
+        parser.error(f"--rollouts must be at least 1, --rounds between 1 and {128 // MINIBATCH}")
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    tokenizer = load_tokenizer()
+    policy = load_checkpoint(args.model, device, tokenizer).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12, weight_decay=0.0)
+    by_length = load_asks(tokenizer)
+    asks = [ask for length in sorted(by_length) for ask in by_length[length]]
+    ways = WAYS[args.comparison]
+    times, lengths, apart = {}, {}, 0.0
+    for seed in range(args.rollouts):
+        with autocast(device, precision):
+            prompts, stories, rewards = rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
+        advantages, _ = group_advantages(torch.tensor(rewards, device=device))
+        olds = {}
+        for turn in range(args.rounds):
+            rows = torch.arange(MINIBATCH * turn, MINIBATCH * (turn + 1), device=device)
+            # Each way first in every other round, so neither always meets a length's first pass.
+            for way, used in list(ways.items())[::1 if turn % 2 == 0 else -1]:
+                with used():
+                    x, y, mask = pack(prompts, stories, tokenizer.eot, device)
+                    lengths.setdefault(way, set()).add(x.size(1))
+
+                    def logprobs():
+                        with torch.no_grad(), autocast(device, precision):
+                            return token_logprobs(policy, x, y)
+
+                    def update(old):
+                        with autocast(device, precision):
+                            new = token_logprobs(policy, x[rows], y[rows])
+                        loss, _ = grpo_loss(new, old[rows], old[rows], advantages[rows], mask[rows], 0.05)
+                        optimizer_step(policy, optimizer, loss, 1e-12)
+
+                    old, taken = seconds(device, logprobs)
+                    times.setdefault(("logprobs", way), []).append(taken)
+                    times.setdefault(("minibatch", way), []).append(seconds(device, lambda: update(old))[1])
+                # Each story's tokens, wherever the padding put them: the two ways' should agree.
+                olds[way] = old[mask.bool()]
+            first, second = (olds[way] for way in ways)
+            apart = max(apart, float((first - second).abs().max()))
+    print(f"machine: {machine()}; device: {device}; {precision}; {args.rollouts} rollouts x {args.rounds} rounds")
+    print(f"| {args.comparison} | positions | log-probabilities, 128 stories | an update's minibatch of 16 |")
+    print("| --- | --- | --- | --- |")
+    for way in ways:
+        print(f"| {way} | {', '.join(map(str, sorted(lengths[way])))} | "
+              f"{statistics.median(times['logprobs', way]):.2f} s | {statistics.median(times['minibatch', way]):.2f} s |")
+    print(f"the two ways' log-probabilities differ by at most {apart:.2g}")
+
+
+if __name__ == "__main__":
+    main()
