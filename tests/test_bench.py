@@ -2,7 +2,8 @@
 (bench/generate.py asserts the shape), so its figures in the docs can be made again; and the
 cache it measures is faster than writing without it. The attention benchmark times every
 length it is given, in both precisions. The benchmark of two ways taking turns times both,
-and their log-probabilities agree."""
+and their log-probabilities agree. The rollout benchmark prints each part of a rollout with
+its share of the matrix peak."""
 import re
 import subprocess
 import sys
@@ -51,3 +52,23 @@ def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilitie
         assert re.search(rf"^\| {way} \| [\d, ]+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.MULTILINE)
     apart = float(re.search(r"differ by at most (\S+)$", out, re.MULTILINE).group(1))
     assert apart < 1e-5
+
+
+def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(run_main, monkeypatch, capsys):
+    import grpo
+    from bench import rollout as rollout_bench
+    from bench import train as train_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
+    monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
+    # A small product for the peak: the tiny model's figures need no accurate one, only a number.
+    monkeypatch.setattr(rollout_bench, "matmul_peak",
+                        lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256, repeats=2))
+    run_main(rollout_bench, "--repeats", "1", "--device", "cpu", "--precision", "fp32")
+    out = capsys.readouterr().out
+    for part in ("writing", "logprobs", "update"):
+        assert re.search(rf"^\| {part} \| [\d.]+ \| \d+% \| \d+% \|$", out, re.MULTILINE)
+    assert re.search(r"^\| scoring \| [\d.]+ \| \d+% \| no products \|$", out, re.MULTILINE)
+    assert re.search(r"^\| whole rollout \| [\d.]+ \| 100% \| \d+% \|$", out, re.MULTILINE)
+    assert re.search(r"group by group \(16 calls of 8\): [\d.]+ times faster", out)
+    assert re.search(r"writing in bf16 .*: [\d,]+ generated tokens per second", out)
