@@ -13,7 +13,6 @@ the CPU we measured, some lengths run much slower than their neighbours in bf16.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, synchronize  # noqa: E402
+from bench.common import machine, timed  # noqa: E402
 from bench.train import DTYPES  # noqa: E402
 from model import Config, pick_device  # noqa: E402
 
@@ -37,15 +36,14 @@ def attention_inputs(stories, length, dtype, device):
 
 def milliseconds(device, qkv, qkv_views, backward):
     qkv.grad = None  # each backward pass writes its gradient afresh, as in a training step
-    synchronize(device)
-    started = time.perf_counter()
-    if backward:
-        F.scaled_dot_product_attention(*qkv_views, is_causal=True).sum().backward()
-    else:
-        with torch.no_grad():
-            F.scaled_dot_product_attention(*qkv_views, is_causal=True)
-    synchronize(device)
-    return (time.perf_counter() - started) * 1000
+
+    def attend():
+        if backward:
+            F.scaled_dot_product_attention(*qkv_views, is_causal=True).sum().backward()
+        else:
+            with torch.no_grad():
+                F.scaled_dot_product_attention(*qkv_views, is_causal=True)
+    return timed(device, attend)[1] * 1000
 
 
 def main():
@@ -62,10 +60,10 @@ def main():
     inputs = {(length, name): attention_inputs(args.stories, length, dtype, device)
               for length in args.lengths for name, dtype in DTYPES.items()}
     times = {(key, backward): [] for key in inputs for backward in (False, True)}
-    for timed in [False] + [True] * args.repeats:  # the first round warms up, untimed
+    for kept in [False] + [True] * args.repeats:  # the first round warms up, untimed
         for (key, backward), taken in times.items():
             taken_now = milliseconds(device, *inputs[key], backward)
-            if timed:
+            if kept:
                 taken.append(taken_now)
     print(f"machine: {machine()}; device: {device}; {args.stories} stories, the median of {args.repeats} rounds")
     headers = [f"{name} {what}" for name in DTYPES for what in ("forward", "forward and backward")]

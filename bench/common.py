@@ -1,5 +1,5 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
-memory is its own, timing a GPU's work and not only its queueing, and describing the machine
+memory is its own, timing a piece of work (a GPU's, not only its queueing), and describing the machine
 the figures came from."""
 import json
 import os
@@ -7,6 +7,7 @@ import platform
 import resource
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -28,6 +29,15 @@ def synchronize(device):
         torch.cuda.synchronize()
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def timed(device, work):
+    """What work() returns, and the seconds it took."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = work()
+    synchronize(device)
+    return result, time.perf_counter() - started
 
 
 def peak_memory_mb(device):

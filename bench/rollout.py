@@ -19,7 +19,6 @@ log-probabilities the ratio and the KL are made of, against fp32, on the rollout
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, synchronize  # noqa: E402
+from bench.common import machine, peak_memory_mb, timed  # noqa: E402
 from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
 from evaluate import words_used  # noqa: E402
 from grpo import GROUP, grpo_loss, group_advantages, rollout  # noqa: E402
@@ -37,15 +36,6 @@ from preferences import load_asks  # noqa: E402
 from sample import MAX_NEW_TOKENS  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
-
-
-def timed(device, work):
-    """What work() returns, and the seconds it took."""
-    synchronize(device)
-    started = time.perf_counter()
-    result = work()
-    synchronize(device)
-    return result, time.perf_counter() - started
 
 
 def write_group_by_group(policy, tokenizer, prompts, seed):

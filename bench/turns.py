@@ -20,9 +20,9 @@ The ways compared, each the change of one step of episode 16:
 import argparse
 import statistics
 import sys
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -32,24 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dpo  # noqa: E402
 import finetune  # noqa: E402
-from bench.common import machine, synchronize  # noqa: E402
+from bench.common import machine, timed  # noqa: E402
 from grpo import grpo_loss, group_advantages, rollout  # noqa: E402
 from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
 from ppo import MINIBATCH, pack, token_logprobs  # noqa: E402
 from preferences import load_asks  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
-
-
-@contextmanager
-def patched(module, name, value):
-    """module.name set to value, for the time of a with block."""
-    kept = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, kept)
 
 
 def log_softmax_by_gather(logits, targets):
@@ -59,18 +48,27 @@ def log_softmax_by_gather(logits, targets):
 
 # For each comparison, its two ways: the one before the step, then the step's, each a with block.
 WAYS = {
-    "align": {"ALIGN 1": lambda: patched(finetune, "ALIGN", 1), f"ALIGN {finetune.ALIGN}": nullcontext},
-    "logprobs": {"log_softmax": lambda: patched(dpo, "log_softmax_at", log_softmax_by_gather),
+    "align": {"ALIGN 1": lambda: mock.patch.object(finetune, "ALIGN", 1), f"ALIGN {finetune.ALIGN}": nullcontext},
+    "logprobs": {"log_softmax": lambda: mock.patch.object(dpo, "log_softmax_at", log_softmax_by_gather),
                  "log_softmax_at": nullcontext},
 }
 
 
-def seconds(device, work):
-    synchronize(device)
-    started = time.perf_counter()
-    result = work()
-    synchronize(device)
-    return result, time.perf_counter() - started
+def passes(policy, optimizer, x, y, mask, advantages, rows, device, precision):
+    """The policy's log-probabilities over the whole rollout, and their seconds and those of one
+    update minibatch (these rows), at a learning rate too small to move the policy."""
+    def logprobs():
+        with torch.no_grad(), autocast(device, precision):
+            return token_logprobs(policy, x, y)
+
+    def update(old):
+        with autocast(device, precision):
+            new = token_logprobs(policy, x[rows], y[rows])
+        loss, _ = grpo_loss(new, old[rows], old[rows], advantages[rows], mask[rows], 0.05)
+        optimizer_step(policy, optimizer, loss, 1e-12)
+
+    old, logprobs_seconds = timed(device, logprobs)
+    return old, {"logprobs": logprobs_seconds, "minibatch": timed(device, lambda: update(old))[1]}
 
 
 def main():
@@ -97,31 +95,20 @@ def main():
         with autocast(device, precision):
             prompts, stories, rewards = rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
         advantages, _ = group_advantages(torch.tensor(rewards, device=device))
-        olds = {}
         for turn in range(args.rounds):
             rows = torch.arange(MINIBATCH * turn, MINIBATCH * (turn + 1), device=device)
+            olds = {}
             # Each way first in every other round, so neither always meets a length's first pass.
             for way, used in list(ways.items())[::1 if turn % 2 == 0 else -1]:
                 with used():
                     x, y, mask = pack(prompts, stories, tokenizer.eot, device)
-                    lengths.setdefault(way, set()).add(x.size(1))
-
-                    def logprobs():
-                        with torch.no_grad(), autocast(device, precision):
-                            return token_logprobs(policy, x, y)
-
-                    def update(old):
-                        with autocast(device, precision):
-                            new = token_logprobs(policy, x[rows], y[rows])
-                        loss, _ = grpo_loss(new, old[rows], old[rows], advantages[rows], mask[rows], 0.05)
-                        optimizer_step(policy, optimizer, loss, 1e-12)
-
-                    old, taken = seconds(device, logprobs)
-                    times.setdefault(("logprobs", way), []).append(taken)
-                    times.setdefault(("minibatch", way), []).append(seconds(device, lambda: update(old))[1])
+                    old, seconds = passes(policy, optimizer, x, y, mask, advantages, rows, device, precision)
+                lengths.setdefault(way, set()).add(x.size(1))
+                for part, taken in seconds.items():
+                    times.setdefault((part, way), []).append(taken)
                 # Each story's tokens, wherever the padding put them: the two ways' should agree.
                 olds[way] = old[mask.bool()]
-            first, second = (olds[way] for way in ways)
+            first, second = olds.values()
             apart = max(apart, float((first - second).abs().max()))
     print(f"machine: {machine()}; device: {device}; {precision}; {args.rollouts} rollouts x {args.rounds} rounds")
     print(f"| {args.comparison} | positions | log-probabilities, 128 stories | an update's minibatch of 16 |")
