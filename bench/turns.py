@@ -12,10 +12,13 @@ The ways compared, each the change of one step of episode 16:
 - align (step 7): a rollout packed at its own length (ALIGN 1), or rounded up to a multiple
   of finetune.ALIGN positions;
 - logprobs (step 9): each target's log-probability from torch's log_softmax over a float32
-  copy of every logit, or from model.log_softmax_at.
+  copy of every logit, or from model.log_softmax_at;
+- attention (step 10): the update's attention with torch's backward pass in bfloat16, or
+  with model.attention's in float32 (the same forward pass).
 
     python bench/turns.py align           (about 4 minutes on a 2-core CPU)
     python bench/turns.py logprobs        (about 4 minutes)
+    python bench/turns.py attention       (about 4 minutes)
 """
 import argparse
 import statistics
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dpo  # noqa: E402
 import finetune  # noqa: E402
+import model  # noqa: E402
 from bench.common import machine, timed  # noqa: E402
 from grpo import grpo_loss, group_advantages, rollout  # noqa: E402
 from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
@@ -51,6 +55,8 @@ WAYS = {
     "align": {"ALIGN 1": lambda: mock.patch.object(finetune, "ALIGN", 1), f"ALIGN {finetune.ALIGN}": nullcontext},
     "logprobs": {"log_softmax": lambda: mock.patch.object(dpo, "log_softmax_at", log_softmax_by_gather),
                  "log_softmax_at": nullcontext},
+    "attention": {"bf16 backward": lambda: mock.patch.object(model, "FLOAT32_BACKWARD", False),
+                  "float32 backward": nullcontext},
 }
 
 

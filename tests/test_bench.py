@@ -31,22 +31,31 @@ def test_attention_benchmark_times_each_length_in_each_precision():
         assert re.search(rf"^\| {length} \|( [\d.]+ ms \|){{4}}$", done.stdout, re.MULTILINE)
 
 
-@pytest.mark.parametrize("comparison", ["align", "logprobs"])
-def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilities(comparison, run_main, monkeypatch,
-                                                                                  capsys):
+# The float32 backward pass of attention serves bf16 alone: that comparison runs in bf16.
+@pytest.mark.parametrize("comparison, precision", [("align", "fp32"), ("logprobs", "fp32"), ("attention", "bf16")])
+def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilities(comparison, precision, run_main,
+                                                                                  monkeypatch, capsys):
     import grpo
+    import model
     from bench import turns
 
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
-    # The way before step 9 must really run, not log_softmax_at twice.
-    by_gather, calls = turns.log_softmax_by_gather, []
+    # Each way must really run as it says: the way before step 9 with log_softmax, not
+    # log_softmax_at twice; step 10's float32 backward in its own way's minibatches only.
+    calls = {"gather": 0, "attention": 0}
 
-    def counted(*args):
-        calls.append(args)
-        return by_gather(*args)
-    monkeypatch.setattr(turns, "log_softmax_by_gather", counted)
-    run_main(turns, comparison, "--rollouts", "1", "--rounds", "2", "--device", "cpu", "--precision", "fp32")
-    assert bool(calls) == (comparison == "logprobs")
+    def counted(name, function):
+        def spy(*args):
+            calls[name] += 1
+            return function(*args)
+        return spy
+    monkeypatch.setattr(turns, "log_softmax_by_gather", counted("gather", turns.log_softmax_by_gather))
+    monkeypatch.setattr(model.CausalAttentionFloat32Backward, "apply",
+                        counted("attention", model.CausalAttentionFloat32Backward.apply))
+    run_main(turns, comparison, "--rollouts", "1", "--rounds", "2", "--device", "cpu", "--precision", precision)
+    assert bool(calls["gather"]) == (comparison == "logprobs")
+    # Two rounds, each one minibatch's pass through every layer of the tiny model.
+    assert calls["attention"] == (2 * model.TINY["n_layer"] if comparison == "attention" else 0)
     out = capsys.readouterr().out
     for way in turns.WAYS[comparison]:
         assert re.search(rf"^\| {way} \| [\d, ]+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.MULTILINE)

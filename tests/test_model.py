@@ -249,3 +249,71 @@ def test_log_softmax_at_leaves_float32_logits_as_they_were():
     assert torch.equal(logits.detach(), before)
     torch.testing.assert_close(got, log_softmax_by_autograd(logits, targets), rtol=0, atol=1e-6)
     torch.testing.assert_close(logits.grad, expected_grad, rtol=0, atol=1e-6)
+
+
+def attention_and_gradients(attend, q, k, v, upstream, dtype):
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = attend(*inputs)
+    return out, torch.autograd.grad(out, inputs, upstream.to(dtype))
+
+
+def causal_sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_with_a_float32_backward_is_causal_attention_with_its_gradient():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, upstream = (torch.randn(2, 3, 17, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
+                                             torch.float64)
+    expected, expected_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.float64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    for got_grad, expected_grad in zip(got_grads, expected_grads):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
+    small = [t[:1, :2, :5, :4].clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(gpt.CausalAttentionFloat32Backward.apply, small)
+
+
+def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_nearer_the_exact_one():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, upstream = (torch.randn(2, 3, 17, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
+                                             torch.bfloat16)
+    torchs, torchs_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.bfloat16)
+    _, exact_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.float64)
+    assert torch.equal(got, torchs)  # so a ratio of new to old probabilities starts at exactly 1
+    for got_grad, torchs_grad, exact in zip(got_grads, torchs_grads, exact_grads):
+        assert got_grad.dtype == torch.bfloat16
+        error, torchs_error = (float((g.double() - exact).abs().mean()) for g in (got_grad, torchs_grad))
+        assert error < 2e-3 and error <= torchs_error
+
+
+def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_and_no_others(monkeypatch):
+    model = tiny_model()
+    calls = []
+    apply = gpt.CausalAttentionFloat32Backward.apply
+    monkeypatch.setattr(gpt.CausalAttentionFloat32Backward, "apply", lambda *qkv: calls.append(1) or apply(*qkv))
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for backward in ("float32", "bfloat16"):
+        # The same model, with the backward pass in float32 (this function), then torch's own.
+        monkeypatch.setattr(gpt, "FLOAT32_BACKWARD", backward == "float32")
+        model.zero_grad()
+        with autocast("cpu", "bf16"):
+            logits, _ = model(tokens)
+        logits.float().logsumexp(-1).sum().backward()
+        grads[backward] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert len(calls) == model.config.n_layer  # each layer's attention, in the first pass only
+    # Both are about 2% from the float32 model's gradient (bfloat16's rounding); they agree to 0.3%.
+    assert (grads["float32"] - grads["bfloat16"]).norm() < 0.01 * grads["bfloat16"].norm()
+    monkeypatch.setattr(gpt, "FLOAT32_BACKWARD", True)
+    with torch.no_grad(), autocast("cpu", "bf16"):
+        model(tokens)  # nothing to train through
+    model(tokens)  # float32
+    model.train()
+    with autocast("cpu", "bf16"):
+        model(tokens)  # dropout
+    cache = KVCache(model.config, 20)
+    with autocast("cpu", "bf16"):
+        model(tokens, cache=cache)  # writing
+    assert len(calls) == model.config.n_layer
