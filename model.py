@@ -15,9 +15,9 @@ its own positions, and rows whose story has ended leave the batch.
 
 Shared by the later scripts: pick_device(), the CHECKPOINTS and RUNS folders,
 save_checkpoint() and load_checkpoint(); and log_softmax_at(), each target's
-log-probability from the logits, which DPO, PPO and GRPO train on. Their updates run
-through attention() too, which every layer calls: torch's fused attention, with a faster
-backward pass where they train in bfloat16 on a CPU (episode 16's step 10).
+log-probability from the logits, which DPO, PPO and GRPO train on; and attention(), which
+every layer calls: torch's fused attention, with a faster backward pass where DPO, PPO and
+GRPO train in bfloat16 on a CPU (episode 16's step 10).
 
     python model.py    (prints the series' model and its parameter count)
 """
@@ -370,41 +370,44 @@ def row_slices(flat):
 
 # ---------------------------------------------------------------- attention
 
+# The CPU kernel that scaled_dot_product_attention calls, forward and backward: torch's private
+# operators, so a build may lack them (torch's versions can rename them); attention() then
+# takes the public function.
+FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
 def attention(q, k, v, visible, dropout, causal):
-    """torch's scaled_dot_product_attention. Where a bfloat16 pass on a CPU will be trained
-    through (the updates of DPO, PPO and GRPO: causal, no dropout, no mask), the same forward
-    pass, and a backward pass in float32: torch's CPU kernel computes that backward about 1.5
-    times as fast as in bfloat16 (bench/turns.py attention)."""
+    """torch's scaled_dot_product_attention. For a bfloat16 pass on a CPU that is going to be
+    trained through (the updates of DPO, PPO and GRPO: causal, no dropout, no mask), the same
+    forward pass, and the backward pass in float32, which torch's CPU kernel computes faster
+    than in bfloat16 (episode 16's step 10 measures it)."""
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and causal and visible is None
             and dropout == 0 and FLOAT32_BACKWARD):
         return CausalAttentionFloat32Backward.apply(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, is_causal=causal)
 
 
-# The CPU kernel that scaled_dot_product_attention calls, forward and backward: torch's
-# private operators (torch 2.2 on). Where a build lacks them, attention() takes the public function.
-FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"))
-
-
 class CausalAttentionFloat32Backward(torch.autograd.Function):
     """Causal attention whose forward pass is scaled_dot_product_attention's on a CPU, to the
     last bit, and whose backward pass runs in float32 (float64 for float64 inputs), from the
-    same saved tensors: the inputs, the output and each row's log-sum of exponentials."""
+    same saved tensors: the inputs, the output and each query's log-sum of exponentials."""
 
     @staticmethod
     def forward(ctx, q, k, v):
+        # The kernel itself, as the public function drops what it returns beside the output:
+        # each query's log-sum of exponentials, which the backward pass needs.
         out, log_sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
         ctx.save_for_backward(q, k, v, out, log_sums)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @torch.autograd.function.once_differentiable  # the kernel's backward pass has no gradient of its own
     def backward(ctx, grad):
         q, k, v, out, log_sums = ctx.saved_tensors
         precise = torch.promote_types(q.dtype, torch.float32)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *(t.to(precise) for t in (grad, q, k, v, out)), log_sums, 0.0, True)
+            *(t.to(precise) for t in (grad, q, k, v, out)), log_sums, dropout_p=0.0, is_causal=True)
         # Each gradient in its input's precision, as torch's own backward pass gives them.
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 

@@ -18,7 +18,7 @@ The ways compared, each the change of one step of episode 16:
 
     python bench/turns.py align           (about 4 minutes on a 2-core CPU)
     python bench/turns.py logprobs        (about 4 minutes)
-    python bench/turns.py attention       (about 4 minutes)
+    python bench/turns.py attention       (about 3 minutes)
 """
 import argparse
 import statistics
@@ -90,6 +90,9 @@ def main():
         parser.error(f"--rollouts must be at least 1, --rounds between 1 and {128 // MINIBATCH}")
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
+    if args.comparison == "attention" and (device.type != "cpu" or precision != "bf16" or not model.FLOAT32_BACKWARD):
+        parser.error("attention: the float32 backward pass serves bf16 on a CPU whose torch has the kernel's "
+                     "operators; here both ways would be the same")
     tokenizer = load_tokenizer()
     policy = load_checkpoint(args.model, device, tokenizer).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12, weight_decay=0.0)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,11 +34,13 @@ def test_attention_benchmark_times_each_length_in_each_precision():
 
 
 # The float32 backward pass of attention serves bf16 alone: that comparison runs in bf16.
-@pytest.mark.parametrize("comparison, precision", [("align", "fp32"), ("logprobs", "fp32"), ("attention", "bf16")])
+@pytest.mark.parametrize("comparison, precision", [
+    ("align", "fp32"), ("logprobs", "fp32"),
+    pytest.param("attention", "bf16", marks=pytest.mark.skipif(
+        not model.FLOAT32_BACKWARD, reason="this build of torch lacks the CPU kernel's operators"))])
 def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilities(comparison, precision, run_main,
                                                                                   monkeypatch, capsys):
     import grpo
-    import model
     from bench import turns
 
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
@@ -61,6 +65,14 @@ def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilitie
         assert re.search(rf"^\| {way} \| [\d, ]+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.MULTILINE)
     apart = float(re.search(r"differ by at most (\S+)$", out, re.MULTILINE).group(1))
     assert apart < 1e-5
+
+
+def test_turns_benchmark_refuses_an_attention_comparison_of_two_same_ways(run_main, capsys):
+    from bench import turns
+
+    with pytest.raises(SystemExit):
+        run_main(turns, "attention", "--device", "cpu", "--precision", "fp32")
+    assert "both ways would be the same" in capsys.readouterr().err
 
 
 def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(run_main, monkeypatch, capsys):

@@ -261,9 +261,18 @@ def causal_sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def test_attention_with_a_float32_backward_is_causal_attention_with_its_gradient():
+def attention_inputs(length):
+    # Queries, keys, values and the gradient from above, over several of the kernel's blocks of positions.
     generator = torch.Generator().manual_seed(0)
-    q, k, v, upstream = (torch.randn(2, 3, 17, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+    return [torch.randn(2, 3, length, 16, generator=generator, dtype=torch.float64) for _ in range(4)]
+
+
+needs_the_kernel = pytest.mark.skipif(not gpt.FLOAT32_BACKWARD, reason="this build of torch lacks the CPU kernel's operators")
+
+
+@needs_the_kernel
+def test_attention_with_a_float32_backward_is_causal_attention_with_its_gradient():
+    q, k, v, upstream = attention_inputs(100)
     got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
                                              torch.float64)
     expected, expected_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.float64)
@@ -274,9 +283,9 @@ def test_attention_with_a_float32_backward_is_causal_attention_with_its_gradient
     assert torch.autograd.gradcheck(gpt.CausalAttentionFloat32Backward.apply, small)
 
 
-def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_nearer_the_exact_one():
-    generator = torch.Generator().manual_seed(0)
-    q, k, v, upstream = (torch.randn(2, 3, 17, 8, generator=generator, dtype=torch.float64) for _ in range(4))
+@needs_the_kernel
+def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_a_little_nearer_the_exact_one():
+    q, k, v, upstream = attention_inputs(100)
     got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
                                              torch.bfloat16)
     torchs, torchs_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.bfloat16)
@@ -284,10 +293,12 @@ def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_near
     assert torch.equal(got, torchs)  # so a ratio of new to old probabilities starts at exactly 1
     for got_grad, torchs_grad, exact in zip(got_grads, torchs_grads, exact_grads):
         assert got_grad.dtype == torch.bfloat16
+        # On average 75% to 93% of the error of torch's bfloat16 backward pass, here.
         error, torchs_error = (float((g.double() - exact).abs().mean()) for g in (got_grad, torchs_grad))
-        assert error < 2e-3 and error <= torchs_error
+        assert error < 1e-3 and error < torchs_error
 
 
+@needs_the_kernel
 def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_and_no_others(monkeypatch):
     model = tiny_model()
     calls = []
@@ -296,24 +307,27 @@ def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_an
     tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     grads = {}
     for backward in ("float32", "bfloat16"):
-        # The same model, with the backward pass in float32 (this function), then torch's own.
+        # The same model, with CausalAttentionFloat32Backward, then with torch's own backward pass.
         monkeypatch.setattr(gpt, "FLOAT32_BACKWARD", backward == "float32")
         model.zero_grad()
         with autocast("cpu", "bf16"):
             logits, _ = model(tokens)
         logits.float().logsumexp(-1).sum().backward()
         grads[backward] = torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert len(calls) == model.config.n_layer  # each layer's attention, in the first pass only
+        assert len(calls) == model.config.n_layer  # each layer's attention, in the first pass only
     # Both are about 2% from the float32 model's gradient (bfloat16's rounding); they agree to 0.3%.
     assert (grads["float32"] - grads["bfloat16"]).norm() < 0.01 * grads["bfloat16"].norm()
     monkeypatch.setattr(gpt, "FLOAT32_BACKWARD", True)
+    calls.clear()
     with torch.no_grad(), autocast("cpu", "bf16"):
         model(tokens)  # nothing to train through
+    assert not calls
     model(tokens)  # float32
+    assert not calls
+    with autocast("cpu", "bf16"):
+        model.generate(tokens, 3, generator=torch.Generator().manual_seed(0))  # writing
+    assert not calls
     model.train()
     with autocast("cpu", "bf16"):
-        model(tokens)  # dropout
-    cache = KVCache(model.config, 20)
-    with autocast("cpu", "bf16"):
-        model(tokens, cache=cache)  # writing
-    assert len(calls) == model.config.n_layer
+        model(tokens)  # with dropout
+    assert not calls
