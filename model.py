@@ -14,10 +14,10 @@ instructions, each 8 times) is one batch too: each prompt runs once, each row th
 its own positions, and rows whose story has ended leave the batch.
 
 Shared by the later scripts: pick_device(), the CHECKPOINTS and RUNS folders,
-save_checkpoint() and load_checkpoint(); and log_softmax_at(), each target's
-log-probability from the logits, which DPO, PPO and GRPO train on; and attention(), which
-every layer calls: torch's fused attention, with a faster backward pass where DPO, PPO and
-GRPO train in bfloat16 on a CPU (episode 16's step 10).
+save_checkpoint() and load_checkpoint(); log_softmax_at(), each target's log-probability
+from the logits, which DPO, PPO and GRPO train on. And every layer calls attention():
+torch's fused attention, with a faster backward pass where DPO, PPO and GRPO train in
+bfloat16 on a CPU (episode 16's step 10).
 
     python model.py    (prints the series' model and its parameter count)
 """

@@ -251,45 +251,46 @@ def test_log_softmax_at_leaves_float32_logits_as_they_were():
     torch.testing.assert_close(logits.grad, expected_grad, rtol=0, atol=1e-6)
 
 
-def attention_and_gradients(attend, q, k, v, upstream, dtype):
-    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = attend(*inputs)
-    return out, torch.autograd.grad(out, inputs, upstream.to(dtype))
-
-
-def causal_sdpa(q, k, v):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 def attention_inputs(length):
     # Queries, keys, values and the gradient from above, over several of the kernel's blocks of positions.
     generator = torch.Generator().manual_seed(0)
     return [torch.randn(2, 3, length, 16, generator=generator, dtype=torch.float64) for _ in range(4)]
 
 
+def attention_and_gradients(attend, inputs, dtype):
+    """attend's output for the queries, keys and values of inputs, in dtype, and their gradients."""
+    *qkv, upstream = (t.to(dtype) for t in inputs)
+    qkv = [t.requires_grad_() for t in qkv]
+    out = attend(*qkv)
+    return out, torch.autograd.grad(out, qkv, upstream)
+
+
+def causal_sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ours = gpt.CausalAttentionFloat32Backward.apply
 needs_the_kernel = pytest.mark.skipif(not gpt.FLOAT32_BACKWARD, reason="this build of torch lacks the CPU kernel's operators")
 
 
 @needs_the_kernel
 def test_attention_with_a_float32_backward_is_causal_attention_with_its_gradient():
-    q, k, v, upstream = attention_inputs(100)
-    got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
-                                             torch.float64)
-    expected, expected_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.float64)
+    inputs = attention_inputs(100)
+    got, got_grads = attention_and_gradients(ours, inputs, torch.float64)
+    expected, expected_grads = attention_and_gradients(causal_sdpa, inputs, torch.float64)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     for got_grad, expected_grad in zip(got_grads, expected_grads):
         torch.testing.assert_close(got_grad, expected_grad, rtol=0, atol=1e-12)
-    small = [t[:1, :2, :5, :4].clone().requires_grad_() for t in (q, k, v)]
-    assert torch.autograd.gradcheck(gpt.CausalAttentionFloat32Backward.apply, small)
+    small = [t[:1, :2, :5, :4].clone().requires_grad_() for t in inputs[:3]]
+    assert torch.autograd.gradcheck(ours, small)
 
 
 @needs_the_kernel
 def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_a_little_nearer_the_exact_one():
-    q, k, v, upstream = attention_inputs(100)
-    got, got_grads = attention_and_gradients(gpt.CausalAttentionFloat32Backward.apply, q, k, v, upstream,
-                                             torch.bfloat16)
-    torchs, torchs_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.bfloat16)
-    _, exact_grads = attention_and_gradients(causal_sdpa, q, k, v, upstream, torch.float64)
+    inputs = attention_inputs(100)
+    got, got_grads = attention_and_gradients(ours, inputs, torch.bfloat16)
+    torchs, torchs_grads = attention_and_gradients(causal_sdpa, inputs, torch.bfloat16)
+    _, exact_grads = attention_and_gradients(causal_sdpa, inputs, torch.float64)
     assert torch.equal(got, torchs)  # so a ratio of new to old probabilities starts at exactly 1
     for got_grad, torchs_grad, exact in zip(got_grads, torchs_grads, exact_grads):
         assert got_grad.dtype == torch.bfloat16
@@ -302,8 +303,7 @@ def test_attention_in_bfloat16_has_torchs_forward_to_the_bit_and_a_gradient_a_li
 def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_and_no_others(monkeypatch):
     model = tiny_model()
     calls = []
-    apply = gpt.CausalAttentionFloat32Backward.apply
-    monkeypatch.setattr(gpt.CausalAttentionFloat32Backward, "apply", lambda *qkv: calls.append(1) or apply(*qkv))
+    monkeypatch.setattr(gpt.CausalAttentionFloat32Backward, "apply", lambda *qkv: calls.append(1) or ours(*qkv))
     tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     grads = {}
     for backward in ("float32", "bfloat16"):
