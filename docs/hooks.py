@@ -13,6 +13,9 @@ as it stands in finetune.py now. The name can be
 - a run of top-level statements: `BATCH..CLIP`, from the first to the last, with the
   comments between them.
 
+Comment lines right above the first name (no blank line between) come with it: the why of
+a constant or a step, as the scripts write it above the line.
+
 Several names, separated by spaces, are shown one after the other in one block. The
 directive may be indented (in a list or an admonition); the block keeps that indentation.
 A file or name that is not there stops the build with a message, so a page can't silently
@@ -40,9 +43,12 @@ def top_level_name(node):
     return None
 
 
-def first_line(node):
-    """A definition's first line, its decorators included."""
-    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+def first_line(node, lines):
+    """A definition's first line: its decorators, and the comment lines right above it, included."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    while first > 1 and lines[first - 2].lstrip().startswith("#"):
+        first -= 1
+    return first
 
 
 def find(tree, dotted, where):
@@ -74,7 +80,7 @@ def excerpt(root, file, names, where):
     for name in names:
         first, _, last = name.partition("..")
         start, end = find(tree, first, where), find(tree, last or first, where)
-        a, b = first_line(start), end.end_lineno
+        a, b = first_line(start, lines), end.end_lineno
         if a > b:
             raise PluginError(f"{where}: {name!r} runs backwards in the file")
         parts.append("\n".join(dedent(lines[a - 1:b])))
