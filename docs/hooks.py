@@ -13,15 +13,16 @@ as it stands in finetune.py now. The name can be
 - a run of top-level statements: `BATCH..CLIP`, from the first to the last, with the
   comments between them.
 
-Comment lines right above the first name (no blank line between) come with it: the why of
-a constant or a step, as the scripts write it above the line.
+Comment lines right above a name (the first of a run), with no blank line between, come
+with it: the why of a constant or a step, as the scripts write it above the line. A file's
+first lines (#! or a coding line) never do.
 
 Several names, separated by spaces, are shown one after the other in one block. The
 directive may be indented (in a list or an admonition); the block keeps that indentation.
 A file or name that is not there stops the build with a message, so a page can't silently
 point at code that has gone. (The line is replaced wherever it stands, even in a fenced
-block: a page can't show the directive itself as an example.) The scripts are read with Python's ast module: no markers in
-them, nothing to keep in step by hand.
+block: a page can't show the directive itself as an example.) The scripts are read with
+Python's ast module: no markers in them, nothing to keep in step by hand.
 """
 import ast
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from mkdocs.exceptions import PluginError
 
+FILE_HEADER = ("#!", "# -*-")  # comment lines that speak for the file, not for the statement below them
 DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*)::: code (?P<file>\S+\.py)(?P<names>(?: +\S+)+) *$", re.MULTILINE)
 
 
@@ -46,9 +48,13 @@ def top_level_name(node):
 def first_line(node, lines):
     """A definition's first line: its decorators, and the comment lines right above it, included."""
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-    while first > 1 and lines[first - 2].lstrip().startswith("#"):
+    while first > 1 and is_comment_on_what_follows(lines[first - 2]):
         first -= 1
     return first
+
+
+def is_comment_on_what_follows(line):
+    return line.lstrip().startswith("#") and not line.startswith(FILE_HEADER)
 
 
 def find(tree, dotted, where):

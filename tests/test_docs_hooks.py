@@ -1,5 +1,6 @@
-"""docs/hooks.py shows a script's code in a page: a constant with the comment lines right
-above it, not those a blank line away, and a name that is not there stops the build."""
+"""docs/hooks.py shows a script's code in a page: a name with the comment lines right above
+it, not those a blank line away nor a file's #! line, and a name that is not there, or a
+run that goes backwards, stops the build."""
 import sys
 from pathlib import Path
 
@@ -11,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
 import hooks  # noqa: E402
 from mkdocs.exceptions import PluginError  # noqa: E402
 
-SCRIPT = '''"""A script."""
+SCRIPT = '''#!/usr/bin/env python
+ONE = 1
 # ---------------------------------------------------------------- a section
 
 # Why the constant is 3,
@@ -20,10 +22,16 @@ THREE = 3  # its own comment
 FOUR = 4
 
 
-# Above the function, a blank line away from nothing.
+# Right above the decorator.
 @staticmethod
 def five():
     return 5
+
+
+class Six:
+    # Right above the method.
+    def seven(self):
+        return 7
 '''
 
 
@@ -33,21 +41,27 @@ def root(tmp_path):
     return tmp_path
 
 
+def shown(root, *names):
+    return hooks.excerpt(root, "script.py", list(names), "page")
+
+
 def test_a_constant_comes_with_the_comment_lines_right_above_it(root):
-    assert hooks.excerpt(root, "script.py", ["THREE"], "page") == (
-        "# Why the constant is 3,\n# in two lines.\nTHREE = 3  # its own comment")
+    assert shown(root, "THREE") == "# Why the constant is 3,\n# in two lines.\nTHREE = 3  # its own comment"
 
 
 def test_a_statement_with_no_comment_right_above_it_comes_alone(root):
-    assert hooks.excerpt(root, "script.py", ["FOUR"], "page") == "FOUR = 4"
+    assert shown(root, "FOUR") == "FOUR = 4"
+    assert shown(root, "ONE") == "ONE = 1"  # the file's #! line is the file's, not ONE's
 
 
-def test_a_run_of_statements_and_a_decorated_function(root):
-    assert hooks.excerpt(root, "script.py", ["THREE..FOUR"], "page").splitlines()[0] == "# Why the constant is 3,"
-    assert hooks.excerpt(root, "script.py", ["five"], "page").splitlines()[:2] == [
-        "# Above the function, a blank line away from nothing.", "@staticmethod"]
+def test_a_run_a_decorated_function_and_a_method(root):
+    assert shown(root, "THREE..FOUR").splitlines()[0] == "# Why the constant is 3,"
+    assert shown(root, "five").splitlines()[:2] == ["# Right above the decorator.", "@staticmethod"]
+    assert shown(root, "Six.seven") == "# Right above the method.\ndef seven(self):\n    return 7"
 
 
-def test_a_name_that_is_not_there_stops_the_build(root):
-    with pytest.raises(PluginError, match="no 'SIX' in the file"):
-        hooks.excerpt(root, "script.py", ["SIX"], "page")
+def test_a_name_that_is_not_there_or_a_run_backwards_stops_the_build(root):
+    with pytest.raises(PluginError, match="no 'EIGHT' in the file"):
+        shown(root, "EIGHT")
+    with pytest.raises(PluginError, match="runs backwards"):
+        shown(root, "FOUR..THREE")
