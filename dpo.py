@@ -20,12 +20,16 @@ story's log-probability sums about 200 tokens', and bfloat16's rounding of each 
 up to noise as large as the differences DPO learns from. Adam, no weight decay, the
 schedule of train.py over --minutes. Every EVAL_EVERY steps, the share of the words it uses
 on the held-out instructions, and its story for DEMO. The final model: checkpoints/dpo/.
+Nothing in the training is drawn but the order of the pairs, so --seed N shuffles them in
+another order, into folders of its own (checkpoints/dpo-seed-N/, runs/dpo-seed-N/): the
+spread of a few seeds says how much of a result is that order's luck.
 
 Exported for PPO and GRPO: DEMO, the instruction that asks for rain, cake and jump;
 words_rate(), a story for each held-out instruction and the share of the words they use;
 and evaluate(), which logs both.
 
     python dpo.py --minutes 10
+    python dpo.py --minutes 10 --seed 2
 """
 import copy
 import json
@@ -118,16 +122,19 @@ def pair_batch(pairs, tokenizer, device):
 
 def main():
     # float32 by default: log-probabilities summed over a story need it (see above).
-    args = parse_training_args(training_parser("Train the fine-tuned model with DPO on preference pairs.",
-                                               minutes=10, precision="fp32"))
-    check_writable(CHECKPOINTS / "dpo", RUNS / "dpo")  # now, not when the model is saved
+    parser = training_parser("Train the fine-tuned model with DPO on preference pairs.", minutes=10, precision="fp32")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help=f"the order of the pairs (default {SEED}); another seed gets folders of its own")
+    args = parse_training_args(parser)
+    name = "dpo" + (f"-seed-{args.seed}" if args.seed != SEED else "")  # dpo, dpo-seed-2
+    check_writable(CHECKPOINTS / name, RUNS / name)  # now, not when the model is saved
 
     device = pick_device(args.device)
     precision = args.precision
     settings = {**vars(args), "device": str(device), "precision": precision, "beta": BETA, "lr": LR,
-                "min_lr": MIN_LR, "warmup": WARMUP, "batch": BATCH, "seed": SEED}
+                "min_lr": MIN_LR, "warmup": WARMUP, "batch": BATCH}
     print(json.dumps(settings))
-    torch.manual_seed(SEED)
+    torch.manual_seed(args.seed)
     tokenizer = load_tokenizer()
     pairs, made_with = load_pairs()
     instructions = load_instructions()
@@ -135,9 +142,9 @@ def main():
     policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer).eval()
     reference = copy.deepcopy(policy).requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=LR)
-    writer = SummaryWriter(RUNS / "dpo")
+    writer = SummaryWriter(RUNS / name)
     writer.add_text("settings", json.dumps({**settings, "pairs": len(pairs), "made_with": made_with}, indent=1), 0)
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(args.seed)
     step = 0
 
     evaluate(policy, tokenizer, instructions, writer, step)  # step 0: the fine-tuned model's figures, to compare against
@@ -171,9 +178,9 @@ def main():
         evaluate(policy, tokenizer, instructions, writer, step)
     writer.close()
     made_by = {"script": "dpo.py", "step": step, "settings": settings, "pairs": made_with}
-    save_checkpoint(CHECKPOINTS / "dpo", policy, tokenizer, made_by)
+    save_checkpoint(CHECKPOINTS / name, policy, tokenizer, made_by)
     print(f"done: {step} steps, {(time.time() - started) / 60:.1f} minutes; "
-          f"the model is in {CHECKPOINTS / 'dpo'}/model.pt")
+          f"the model is in {CHECKPOINTS / name}/model.pt")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16),
     python docs/plots.py rl-step-11-reward.png rl-step-11-heldout.png   # only these figures
 
 Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
-they are. Episode 16's step 8 ran its GRPO and PPO again from another fine-tuned model, into
-the same folders as the runs of the earlier figures, so its two figures are drawn only when
-named, and the other RL figures show whichever runs runs/ holds. matplotlib is needed only here, to
-redraw the plots; the series itself doesn't use it.
+they are. Episode 16's step 8 (GRPO and PPO) and episode 7's step 5 (DPO) ran again from
+another fine-tuned model, into the folders of the earlier figures' runs, so their figures
+are drawn only when named (ONLY_WHEN_NAMED), and the earlier figures show whichever runs
+runs/ holds. matplotlib is needed only here, to redraw the plots; the series itself
+doesn't use it.
 """
 import argparse
 import json
@@ -46,6 +47,10 @@ RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo
 STEP_11_RUNS = {"grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2",
                 "grpo/kl-0.05-seed-3": "GRPO, KL 0.05, seed 3", "ppo/kl-0.05": "PPO, KL 0.05",
                 "ppo/kl-0.05-seed-2": "PPO, KL 0.05, seed 2"}
+# Episode 7, step 5: DPO from the step 11 model, three orders of the pairs (dpo.py --seed).
+DPO_STEP_11_RUNS = {"dpo": "seed 1337", "dpo-seed-2": "seed 2", "dpo-seed-3": "seed 3"}
+# Figures drawn only when named, as their runs share folders with the earlier figures'.
+ONLY_WHEN_NAMED = (STEP_11_RUNS, DPO_STEP_11_RUNS)
 COMPARISONS = [
     ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",
      "rollout/reward", RL_RUNS),
@@ -55,6 +60,10 @@ COMPARISONS = [
      "rollout/reward", STEP_11_RUNS),
     ("rl-step-11-heldout.png", "From episode 3's step 11 model: words used on the 50 held-out instructions",
      "share of the words", "words/heldout", STEP_11_RUNS),
+    ("dpo-step-11-words.png", "DPO from episode 3's step 11 model: words used on the held-out instructions",
+     "share of the words", "words/heldout", DPO_STEP_11_RUNS),
+    ("dpo-step-11-margin.png", "DPO from episode 3's step 11 model: reward margin on each batch of pairs",
+     "reward margin", "dpo/margin", DPO_STEP_11_RUNS),
 ]
 
 
@@ -179,14 +188,13 @@ def main():
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
     for file, title, ylabel, tag, runs in COMPARISONS:
-        # Step 8's figures only when named: their runs share folders with the earlier figures'.
-        if (files and file not in files) or (not files and runs is STEP_11_RUNS):
+        if (files and file not in files) or (not files and any(runs is named for named in ONLY_WHEN_NAMED)):
             continue
         lines = [(*scalars(run, tag), label) for run, label in runs.items() if (RUNS / run).exists()]
         if not lines:
             print(f"none of the runs of {file} in runs/: skipping it")
             continue
-        draw(file, title, "rollout", ylabel, lines)
+        draw(file, title, "rollout" if "/" in next(iter(runs)) else "step", ylabel, lines)
     for run, file, title, ylabel, tags in PLOTS:
         if files and file not in files:
             continue

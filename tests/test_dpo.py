@@ -1,4 +1,5 @@
 import copy
+import json
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import dpo
 import preferences
+from data import instruction
 from model import read_checkpoint
 from tokenizer import encode_prompt
 
@@ -95,6 +97,27 @@ def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys, mo
     assert torch.allclose(losses[0], torch.full_like(losses[0], math.log(2)))
     out = capsys.readouterr().out
     assert "step 0: the held-out stories use" in out and "step 2: loss" in out
+
+
+def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, run_main, monkeypatch):
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    # The tests' tiny model makes a pair or two: eight, each asking for other words, so an order shows.
+    saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))
+    words = ["cat", "dog", "sun", "tree", "ball", "cake", "rain", "jump", "park", "boat"]
+    saved["pairs"] = [dict(saved["pairs"][0], instruction=instruction(words[i:i + 3])) for i in range(8)]
+    preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+    first_batches, real_pair_batch = [], dpo.pair_batch
+    monkeypatch.setattr(dpo, "pair_batch", lambda pairs, *args: first_batches.append(
+        [(p["instruction"], p["chosen_tokens"], p["rejected_tokens"]) for p in pairs]) or real_pair_batch(pairs, *args))
+    run_main(dpo, "--steps", "1", "--precision", "fp32", "--device", "cpu")
+    default_model = (workspace / "checkpoints" / "dpo" / "model.pt").read_bytes()
+    run_main(dpo, "--steps", "1", "--precision", "fp32", "--device", "cpu", "--seed", "2")
+    # The same pairs, in another order; the default seed's model and logs are left as they were.
+    assert len(first_batches[0]) == 8 and sorted(first_batches[0]) == sorted(first_batches[1])
+    assert first_batches[0] != first_batches[1]
+    assert read_checkpoint(workspace / "checkpoints" / "dpo-seed-2")["made_by"]["settings"]["seed"] == 2
+    assert (workspace / "checkpoints" / "dpo" / "model.pt").read_bytes() == default_model
+    assert sorted(path.name for path in (workspace / "runs").glob("dpo*")) == ["dpo", "dpo-seed-2"]
 
 
 def test_words_rate_is_the_share_over_the_heldout_set(workspace, workspace_tokenizer, workspace_model, monkeypatch):
