@@ -28,7 +28,10 @@ Choices of ours, where the usual recipe leaves room:
   as large as the policy; ours is 385 numbers.
 - No discount and no GAE: the reward comes once, at the end of a story, so every token's
   return is the story's reward.
-- Advantages are not normalised: every reward is a share of three words, on one scale.
+- Advantages are whitened over each rollout's story tokens (mean 0, spread 1), as TRL's
+  PPO does. On the rewards' own scale (shares of three words, a spread of about a quarter
+  once the critic has their level), the KL penalty would weigh about four times as much
+  against them as against GRPO's, which are in spreads of their group.
 - The policy stays in evaluation mode, dropout off, so the update's probabilities match the
   rollout's, and the first minibatch's ratio is exactly 1.
 - Log-probabilities in float32; the matrix products, the writing's and the update's, in
@@ -127,6 +130,14 @@ def ppo_loss(new, old, ref, advantages, mask, kl):
     return -per_token.sum() / mask.sum(), ratio
 
 
+def whiten(advantages, mask):
+    """The advantages shifted and scaled to a mean of 0 and a spread of 1 over the story
+    tokens (mask), and 0 elsewhere."""
+    mean = (advantages * mask).sum() / mask.sum()
+    spread = (((advantages - mean) * mask) ** 2).sum() / mask.sum()
+    return (advantages - mean) / (spread.sqrt() + 1e-4) * mask
+
+
 def value_loss(values, rewards, mask):
     """The critic's squared error against each story's reward, over the stories' tokens."""
     return ((values - rewards[:, None]) ** 2 * mask).sum() / mask.sum()
@@ -192,8 +203,9 @@ def main():
                 old, channels = token_logprobs(policy, x, y, hidden=True)
                 ref = token_logprobs(reference, x, y)
             values = critic(channels.float()).squeeze(-1)
-        # Each token's advantage: the story's reward, minus what the critic expected there.
-        advantages = (R[:, None] - values) * mask
+        # Each token's advantage: the story's reward, minus what the critic expected there;
+        # whitened, so the objective weighs against the KL penalty on one scale, whatever the rewards'.
+        advantages = whiten((R[:, None] - values) * mask, mask)
 
         # The update: two passes over the rollout, each in shuffled minibatches of 16 stories.
         stats = []

@@ -205,6 +205,18 @@ def test_the_critic_learns_the_rewards_of_a_fixed_rollout():
     assert errors.abs().max() < 0.02, errors
 
 
+def test_whitened_advantages_have_mean_0_and_spread_1_over_the_story_tokens_and_keep_their_order():
+    torch.manual_seed(0)
+    advantages, mask = torch.randn(4, 7) * 0.3 + 0.2, (torch.rand(4, 7) < 0.7).float()
+    white = ppo.whiten(advantages * mask, mask)
+    count = mask.sum()
+    assert float((white * mask).sum() / count) == pytest.approx(0, abs=1e-6)
+    assert float((white ** 2 * mask).sum() / count) == pytest.approx(1, rel=1e-3)
+    assert torch.all(white[mask == 0] == 0)
+    kept = mask.bool()
+    assert torch.equal(advantages[kept].argsort(), white[kept].argsort())
+
+
 def test_the_value_loss_is_the_mean_squared_error_over_the_story_tokens():
     lengths, starts = [5, 2, 7, 3], [1, 3, 1, 2]  # prompts of several lengths, then padding
     mask = torch.zeros(4, 9)
@@ -238,7 +250,7 @@ def recording_the_update(script, loss_name, monkeypatch):
 
     def loss(new, old, ref, advantages, mask, kl):
         policy_loss, ratio = real_loss(new, old, ref, advantages, mask, kl)
-        updates.append({"ratio": ratio.detach(), "mask": mask, "policy_loss": policy_loss.item()})
+        updates.append({"ratio": ratio.detach(), "mask": mask, "advantages": advantages, "policy_loss": policy_loss.item()})
         return policy_loss, ratio
 
     monkeypatch.setattr(script, loss_name, loss)
@@ -282,6 +294,14 @@ def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick,
     assert len(updates) == 12 * ppo.EPOCHS * ppo.BATCHES * ppo.PER_BATCH // ppo.MINIBATCH
     for update in first_minibatches(updates, ppo.BATCHES * ppo.PER_BATCH):
         assert torch.equal(update["ratio"] * update["mask"], update["mask"])
+    # Each rollout's advantages, over its first pass's minibatches (every story once), are whitened.
+    per_pass = ppo.BATCHES * ppo.PER_BATCH // ppo.MINIBATCH
+    for first in range(0, len(updates), ppo.EPOCHS * per_pass):
+        one_pass = updates[first:first + per_pass]
+        advantages = torch.cat([u["advantages"].expand_as(u["mask"]) for u in one_pass])
+        mask = torch.cat([u["mask"] for u in one_pass])
+        mean = (advantages * mask).sum() / mask.sum()
+        assert abs(mean) < 1e-4 and ((advantages - mean) ** 2 * mask).sum() / mask.sum() == pytest.approx(1, rel=1e-2)
     for update in updates:
         assert update["stepped_on"] == pytest.approx(update["policy_loss"] + ppo.VALUE_WEIGHT * update["critic_loss"],
                                                      rel=1e-5, abs=1e-7)
