@@ -134,8 +134,8 @@ def whiten(advantages, mask):
     """The advantages shifted and scaled to a mean of 0 and a spread of 1 over the story
     tokens (mask), and 0 elsewhere."""
     mean = (advantages * mask).sum() / mask.sum()
-    spread = (((advantages - mean) * mask) ** 2).sum() / mask.sum()
-    return (advantages - mean) / (spread.sqrt() + 1e-4) * mask
+    spread = ((((advantages - mean) * mask) ** 2).sum() / mask.sum()).sqrt()
+    return (advantages - mean) / (spread + 1e-4) * mask
 
 
 def value_loss(values, rewards, mask):
