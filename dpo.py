@@ -49,7 +49,7 @@ from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, log_softmax_at, 
 from preferences import load_pairs
 from sample import write
 from tokenizer import encode_prompt, load_tokenizer
-from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
+from train import SEED, budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model
 LR = 5e-5  # the peak learning rate
@@ -57,7 +57,6 @@ MIN_LR = 5e-6
 WARMUP = 10  # steps
 BATCH = 16  # pairs per step
 EVAL_EVERY = 25  # steps between measures on the held-out instructions
-SEED = 1337
 DEMO = instruction(["rain", "cake", "jump"])
 
 

@@ -46,6 +46,8 @@ def parse_rl_args(parser):
         parser.error("--lr must be a positive number")
     if args.rollouts < 1:
         parser.error("--rollouts must be at least 1")
+    if args.seed < 0:
+        parser.error("--seed must be 0 or more")
     return args
 
 

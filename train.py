@@ -60,6 +60,8 @@ def parse_training_args(parser):
     args = parser.parse_args()
     if not 0 < args.minutes < math.inf or (args.steps is not None and args.steps <= 0):
         parser.error("--minutes and --steps must be positive (and --minutes a number)")
+    if vars(args).get("seed", 0) < 0:  # finetune.py and dpo.py add --seed; numpy's generators take none below 0
+        parser.error("--seed must be 0 or more")
     return args
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dpo
+import finetune
 import preferences
 from data import instruction
 from model import read_checkpoint
@@ -118,6 +119,13 @@ def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, r
     assert read_checkpoint(workspace / "checkpoints" / "dpo-seed-2")["made_by"]["settings"]["seed"] == 2
     assert (workspace / "checkpoints" / "dpo" / "model.pt").read_bytes() == default_model
     assert sorted(path.name for path in (workspace / "runs").glob("dpo*")) == ["dpo", "dpo-seed-2"]
+
+
+@pytest.mark.parametrize("script", [dpo, finetune])
+def test_a_negative_seed_gets_one_line_before_anything_is_read(script, workspace, run_main, capsys):
+    with pytest.raises(SystemExit):
+        run_main(script, "--seed", "-1")
+    assert "--seed must be 0 or more" in capsys.readouterr().err
 
 
 def test_words_rate_is_the_share_over_the_heldout_set(workspace, workspace_tokenizer, workspace_model, monkeypatch):

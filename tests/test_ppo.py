@@ -313,7 +313,8 @@ def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick,
 
 
 @pytest.mark.parametrize("args, message", [(["--kl", "-0.1"], "--kl"), (["--minutes", "0"], "--minutes"),
-                                           (["--rollouts", "0"], "--rollouts"), (["--lr", "0"], "--lr")])
+                                           (["--rollouts", "0"], "--rollouts"), (["--lr", "0"], "--lr"),
+                                           (["--seed", "-1"], "--seed must be 0 or more")])
 def test_bad_options_get_one_line(run_main, capsys, args, message):
     with pytest.raises(SystemExit):
         run_main(ppo, *args)
