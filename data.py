@@ -54,7 +54,7 @@ from files import DATA, atomic, fetch, inputs_of, one_at_a_time, read_lines, run
 TRAIN_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-train.txt"
 VALID_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-valid.txt"
 SEPARATOR = bpe.END_OF_TEXT
-SEED = 1337
+SEED = 1337  # the series' seed: every later script's draws start from it
 HELDOUT = Path(__file__).resolve().parent / "heldout.json"  # committed: the evaluation set
 HELD_OUT = 50  # instructions, three words each: 150 words, the evaluation set forever
 HELD_OUT_VERSION = 1  # a new set gets a new version, never silently

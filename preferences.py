@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from data import SEED
 from evaluate import words_used
 from files import DATA, atomic, check_writable, read_instructions
 from model import CHECKPOINTS, load_checkpoint, pick_device
@@ -32,7 +33,6 @@ STORIES = 4  # stories per instruction, from which the best and the worst make a
 # over half a million (the shared sample has 1,240).
 ASK_POOL = 20_000
 CHUNK = 32  # instructions written together, between progress lines
-SEED = 1337
 PAIRS = DATA / "preferences.json"
 
 

@@ -15,10 +15,10 @@ import time
 
 import torch
 
+from data import SEED
 from model import read_checkpoint, save_checkpoint
 
 EVAL_EVERY = 10  # rollouts
-SEED = 1337
 
 
 def rl_parser(description, lr):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from data import SEED
 from files import DATA, check_made, check_writable
 from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
                    read_checkpoint, save_checkpoint)
@@ -40,7 +41,6 @@ BETAS = (0.9, 0.95)
 CLIP = 1.0  # the most gradient norm a step takes
 EVAL_EVERY = 250  # steps between validations
 EVAL_WINDOWS = 256  # fixed windows of valid.bin for the loss during training
-SEED = 1337
 
 
 def training_parser(description, minutes, precision=None, steps=None):
