@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
-from data import instruction
+from data import SEED, instruction
 from evaluate import heldout_stories, load_instructions, words_used
 from files import check_writable
 from finetune import collate
@@ -49,7 +49,7 @@ from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, log_softmax_at, 
 from preferences import load_pairs
 from sample import write
 from tokenizer import encode_prompt, load_tokenizer
-from train import SEED, budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
+from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model
 LR = 5e-5  # the peak learning rate
