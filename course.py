@@ -24,27 +24,38 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from types import SimpleNamespace
+
 from bench.common import machine
+from data import SEED
+from dpo import run_name as dpo_run_name
 from evaluate import model_name, table
 from files import DATA, atomic
 from model import CHECKPOINTS, RUNS
+from ppo import LR
 from preferences import PAIRS
+from rl import run_name
 
 ROOT = Path(__file__).resolve().parent
 REPORT = Path("report") / "README.md"
 RECORD = RUNS / "course.json"  # each step's command and minutes, kept from one run of the course to the next
 PLOTS = ROOT / "docs" / "img"  # where docs/plots.py draws
 KL = 0.05  # the KL weight of PPO and of the first GRPO run; the second runs without the penalty
-PPO = CHECKPOINTS / "ppo" / f"kl-{KL:g}"
-GRPO, GRPO_NO_KL = CHECKPOINTS / "grpo" / f"kl-{KL:g}", CHECKPOINTS / "grpo" / "kl-0"
-MODELS = [CHECKPOINTS / "pretrain", CHECKPOINTS / "finetune", CHECKPOINTS / "dpo", PPO, GRPO, GRPO_NO_KL]
-# Minutes for each training script, and how many training instructions make preference pairs.
-# Fine-tuning takes its own budget, 1,000 steps (episode 3, step 11), in whatever minutes they take.
-# The full setting measures each model with three seeds of the held-out stories, as the docs do.
-FULL = {"pretrain": 60, "instructions": 2000, "dpo": 10, "ppo": 10, "grpo": 10, "seeds": 3}
+# Each training script's budget, as its options. Steps and rollouts, so that any machine makes the
+# same models, a faster one sooner; the minutes only cap a machine too slow for them.
+# Pretraining: 2,322 steps, what an hour gave on the project's CPU on a quick day, and the base
+# that fine-tuning's recipe was measured from (episode 3, step 11). Fine-tuning: its own 1,000 steps.
+# DPO: 100 steps, about ten minutes on two CPU cores. PPO and GRPO: the video's rollouts in its
+# ten minutes, 32 with the penalty and 36 without. The models are measured with three seeds of
+# the held-out stories, as the docs do.
+FULL = {"pretrain": ["--steps", "2322", "--minutes", "120"], "finetune": [], "dpo": ["--steps", "100", "--minutes", "30"],
+        "ppo": ["--rollouts", "32", "--minutes", "60"], "grpo": ["--rollouts", "32", "--minutes", "60"],
+        "grpo-kl-0": ["--rollouts", "36", "--minutes", "60"], "instructions": 2000, "eval_seeds": 3}
 # Enough for each script to take some steps and save its model: the whole path works, though
 # the models learn little. The loss on plain stories on 128 windows of them, not all 1,266.
-QUICK = {"pretrain": 3, "finetune": 1.5, "instructions": 64, "dpo": 1, "ppo": 1, "grpo": 1, "valid_windows": 128}
+QUICK = {"pretrain": ["--minutes", "3"], "finetune": ["--minutes", "1.5"], "dpo": ["--minutes", "1"],
+         "ppo": ["--minutes", "1"], "grpo": ["--minutes", "1"], "grpo-kl-0": ["--minutes", "1"],
+         "instructions": 64, "valid_windows": 128}
 
 
 @dataclass
@@ -56,37 +67,57 @@ class Step:
     needs: str = None  # a module the step needs that requirements.txt doesn't install
 
 
-def course(budget, source=None, device=None):
-    """The steps in order, each script with its budget."""
+def training_seeds(count):
+    """The series' seed, then 2, 3, ...: the seeds of the DPO, PPO and GRPO runs."""
+    return [SEED, *range(2, count + 1)]
+
+
+def seed_models(seed):
+    """The folders of one training seed's DPO, PPO, GRPO and GRPO without KL, by each script's own naming."""
+    rl_folder = lambda kl: run_name(SimpleNamespace(kl=kl, lr=LR, seed=seed), LR)  # noqa: E731
+    return {"dpo": CHECKPOINTS / dpo_run_name(seed), "ppo": CHECKPOINTS / "ppo" / rl_folder(KL),
+            "grpo": CHECKPOINTS / "grpo" / rl_folder(KL), "grpo-kl-0": CHECKPOINTS / "grpo" / rl_folder(0)}
+
+
+def models(seeds=1):
+    """Every model the course makes: the pretrained and fine-tuned ones, then each seed's four."""
+    return [CHECKPOINTS / "pretrain", CHECKPOINTS / "finetune",
+            *(folder for seed in training_seeds(seeds) for folder in seed_models(seed).values())]
+
+
+def course(budget, seeds=1, source=None, device=None):
+    """The steps in order, each script with its budget, each model measured once it is made."""
     source = ["--source", source] if source else []
     device = ["--device", device] if device else []
-
-    def minutes(script):
-        return ["--minutes", f"{budget[script]:g}"] if script in budget else []
-
-    tokens, pretrained, finetuned = DATA / "valid.bin", final(CHECKPOINTS / "pretrain"), final(CHECKPOINTS / "finetune")
-    steps = [
-        # Episode 1: the stories, the instruction sets, the tokenizer and the token files.
-        Step("data", ["data.py", *source], tokens),
-        # Episodes 2 and 3: a model that writes stories, then one that is asked for words.
-        Step("pretraining", ["train.py", *minutes("pretrain"), *device], pretrained, tokens),
-        Step("fine-tuning", ["finetune.py", *minutes("finetune"), *device], finetuned, pretrained),
-        # Episodes 6 and 7: pairs of the fine-tuned model's own stories, then DPO on them.
-        Step("preferences", ["preferences.py", "--instructions", str(budget["instructions"]), *device],
-             PAIRS, finetuned),
-        Step("DPO", ["dpo.py", *minutes("dpo"), *device], final(CHECKPOINTS / "dpo"), PAIRS),
-        # Episodes 8 and 16: RL on the reward itself; GRPO once more without the KL penalty, to see what it holds back.
-        Step(f"PPO, KL {KL:g}", ["ppo.py", *minutes("ppo"), "--kl", f"{KL:g}", *device], final(PPO), finetuned),
-        Step(f"GRPO, KL {KL:g}", ["grpo.py", *minutes("grpo"), "--kl", f"{KL:g}", *device], final(GRPO), finetuned),
-        Step("GRPO, KL 0", ["grpo.py", *minutes("grpo"), "--kl", "0", *device], final(GRPO_NO_KL), finetuned),
-    ]
     # Episode 5's table, one model at a time, so that a model measured once isn't measured again.
     # The quick setting measures the loss on plain stories on a sample of windows, not all of them.
-    windows = ["--valid-windows", str(budget["valid_windows"])] if "valid_windows" in budget else []
-    seeds = ["--seeds", str(budget["seeds"])] if "seeds" in budget else []
-    steps += [Step(f"evaluation of {model_name(m)}", ["evaluate.py", str(m), *seeds, *windows, *device],
-                   evaluation(m), final(m))
-              for m in MODELS]
+    measure = ((["--seeds", str(budget["eval_seeds"])] if "eval_seeds" in budget else [])
+               + (["--valid-windows", str(budget["valid_windows"])] if "valid_windows" in budget else []))
+
+    def trained(name, command, folder, made_from):
+        """A training step, then the evaluation of the model it made."""
+        return [Step(name, [*command, *device], final(folder), made_from),
+                Step(f"evaluation of {model_name(folder)}", ["evaluate.py", str(folder), *measure, *device],
+                     evaluation(folder), final(folder))]
+
+    tokens, pretrained, finetuned = DATA / "valid.bin", CHECKPOINTS / "pretrain", CHECKPOINTS / "finetune"
+    # Episode 1: the stories, the instruction sets, the tokenizer and the token files.
+    steps = [Step("data", ["data.py", *source], tokens)]
+    # Episodes 2 and 3: a model that writes stories, then one that is asked for words.
+    steps += trained("pretraining", ["train.py", *budget["pretrain"]], pretrained, tokens)
+    steps += trained("fine-tuning", ["finetune.py", *budget["finetune"]], finetuned, final(pretrained))
+    # Episode 6: pairs of the fine-tuned model's own stories.
+    steps.append(Step("preferences", ["preferences.py", "--instructions", str(budget["instructions"]), *device],
+                      PAIRS, final(finetuned)))
+    # Episodes 7, 8 and 16, one training seed after another: DPO on the pairs, then RL on the reward
+    # itself, GRPO once more without the KL penalty, to see what it holds back.
+    for seed in training_seeds(seeds):
+        folders, named = seed_models(seed), ("" if seed == SEED else f", seed {seed}")
+        seeded = [] if seed == SEED else ["--seed", str(seed)]
+        steps += trained(f"DPO{named}", ["dpo.py", *budget["dpo"], *seeded], folders["dpo"], PAIRS)
+        for script, kl, key in (("ppo.py", KL, "ppo"), ("grpo.py", KL, "grpo"), ("grpo.py", 0, "grpo-kl-0")):
+            steps += trained(f"{script[:-3].upper()}, KL {kl:g}{named}", [script, *budget[key], "--kl", f"{kl:g}", *seeded],
+                             folders[key], final(finetuned))
     # The plots are drawn again every time, from whatever runs/ holds now: it takes seconds.
     steps.append(Step("plots", ["docs/plots.py"], needs="matplotlib"))
     return steps
@@ -164,7 +195,7 @@ def drawn_plots(record):
     return sorted(p for p in PLOTS.glob("*.png") if p.stat().st_mtime >= plots["started"] - 1)
 
 
-def report(steps, record):
+def report(steps, record, seeds=1):
     """report/README.md: the machine, each step's minutes, the table of models, the plots and a story from each."""
     lines = ["# The course, as it ran here", "", f"`{shown(sys.argv)}` on {machine()}.", "",
              "| step | command | minutes |", "| --- | --- | --- |"]
@@ -175,7 +206,7 @@ def report(steps, record):
     total = sum(record[step.name]["minutes"] or 0 for step in steps if step.name in record)
     lines.append(f"| in all | | {total:.1f} |")
 
-    results = [json.loads(evaluation(m).read_text(encoding="utf-8")) for m in MODELS if evaluation(m).exists()]
+    results = [json.loads(evaluation(m).read_text(encoding="utf-8")) for m in models(seeds) if evaluation(m).exists()]
     lines += ["", "## The models", "", table(results)]
 
     lines += ["", "## Plots", ""]
@@ -201,9 +232,13 @@ def main():
     parser.add_argument("--source", help="a local copy of TinyStories for data.py (default: download it)")
     parser.add_argument("--quick", action="store_true", help="small budgets: 14 to 18 minutes on 2 CPU cores")
     parser.add_argument("--device", help="cpu, cuda or mps, for every script (default: the fastest there is)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="training seeds of DPO, PPO and GRPO, for the spread of each (default 1)")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
 
-    steps = course(QUICK if args.quick else FULL, args.source, args.device)
+    steps = course(QUICK if args.quick else FULL, args.seeds, args.source, args.device)
     record = read_record()
     for step in steps:
         reason = why_skip(step, record)
@@ -211,7 +246,7 @@ def main():
             print(f"== {step.name}: skipped: {reason}")
         else:
             take(step, record)
-    report(steps, record)
+    report(steps, record, args.seeds)
     print(f"the report is in {REPORT}")
 
 

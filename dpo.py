@@ -60,6 +60,11 @@ EVAL_EVERY = 25  # steps between measures on the held-out instructions
 DEMO = instruction(["rain", "cake", "jump"])
 
 
+def run_name(seed):
+    """The run's folder: dpo, or dpo-seed-2 for another seed than the series'."""
+    return "dpo" + (f"-seed-{seed}" if seed != SEED else "")
+
+
 def words_rate(model, tokenizer, instructions, seed=0):
     """A story for each held-out instruction; the share of the requested words they use."""
     stories = heldout_stories(model, tokenizer, instructions, seed)
@@ -125,7 +130,7 @@ def main():
     parser.add_argument("--seed", type=int, default=SEED,
                         help=f"the order of the pairs (default {SEED}); another seed gets folders of its own")
     args = parse_training_args(parser)
-    name = "dpo" + (f"-seed-{args.seed}" if args.seed != SEED else "")  # dpo, dpo-seed-2
+    name = run_name(args.seed)
     check_writable(CHECKPOINTS / name, RUNS / name)  # now, not when the model is saved
 
     device = pick_device(args.device)

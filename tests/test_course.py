@@ -12,18 +12,22 @@ import pytest
 
 import course
 
+def evaluated(model):
+    return [["evaluate.py", model, "--seeds", "3", "--device", "cpu"]]
+
+
 FULL_COMMANDS = [
     ["data.py", "--source", "../shared/data/tinystories"],
-    ["train.py", "--minutes", "60", "--device", "cpu"],
-    ["finetune.py", "--device", "cpu"],
+    ["train.py", "--steps", "2322", "--minutes", "120", "--device", "cpu"], *evaluated("checkpoints/pretrain"),
+    ["finetune.py", "--device", "cpu"], *evaluated("checkpoints/finetune"),
     ["preferences.py", "--instructions", "2000", "--device", "cpu"],
-    ["dpo.py", "--minutes", "10", "--device", "cpu"],
-    ["ppo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
-    ["grpo.py", "--minutes", "10", "--kl", "0.05", "--device", "cpu"],
-    ["grpo.py", "--minutes", "10", "--kl", "0", "--device", "cpu"],
-    *[["evaluate.py", model, "--seeds", "3", "--device", "cpu"] for model in
-      ("checkpoints/pretrain", "checkpoints/finetune", "checkpoints/dpo", "checkpoints/ppo/kl-0.05",
-       "checkpoints/grpo/kl-0.05", "checkpoints/grpo/kl-0")],
+    ["dpo.py", "--steps", "100", "--minutes", "30", "--device", "cpu"], *evaluated("checkpoints/dpo"),
+    ["ppo.py", "--rollouts", "32", "--minutes", "60", "--kl", "0.05", "--device", "cpu"],
+    *evaluated("checkpoints/ppo/kl-0.05"),
+    ["grpo.py", "--rollouts", "32", "--minutes", "60", "--kl", "0.05", "--device", "cpu"],
+    *evaluated("checkpoints/grpo/kl-0.05"),
+    ["grpo.py", "--rollouts", "36", "--minutes", "60", "--kl", "0", "--device", "cpu"],
+    *evaluated("checkpoints/grpo/kl-0"),
     ["docs/plots.py"],
 ]
 WORDS_USED = {"pretrain": 0.06, "finetune": 0.27, "dpo": 0.31,
@@ -100,7 +104,7 @@ def test_every_step_runs_in_order_and_the_report_has_the_table_plots_and_stories
 
     report = (learner / "report" / "README.md").read_text()
     assert "`python course.py --source ../shared/data/tinystories --device cpu` on " in report
-    assert "| pretraining | `python train.py --minutes 60 --device cpu` | 0.0 |" in report
+    assert "| pretraining | `python train.py --steps 2322 --minutes 120 --device cpu` | 0.0 |" in report
     assert "| in all | | 0.0 |" in report
     assert "| ppo-kl-0.05 | 45% | 2.40 | 50% |" in report
     assert "| grpo-kl-0 | 58% | 2.40 | 50% |" in report
@@ -117,8 +121,8 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     age(learner / "data" / "valid.bin")
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert [c[0] for c in scripts.commands[:2]] == ["finetune.py", "preferences.py"]
-    assert scripts.commands[0] == ["finetune.py", "--minutes", "1.5"]
+    assert [c[0] for c in scripts.commands[:3]] == ["evaluate.py", "finetune.py", "evaluate.py"]
+    assert scripts.commands[1] == ["finetune.py", "--minutes", "1.5"]
     assert ("== data: skipped: data/valid.bin exists\n"
             "== pretraining: skipped: checkpoints/pretrain/model.pt exists\n") in capsys.readouterr().out
 
@@ -129,7 +133,7 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     assert ("== fine-tuning: skipped: checkpoints/finetune/model.pt exists, made by python finetune.py --minutes 1.5\n"
             in capsys.readouterr().out)
     report = (learner / "report" / "README.md").read_text()
-    assert "| pretraining | `python train.py --minutes 60` | not run by the course |" in report
+    assert "| pretraining | `python train.py --steps 2322 --minutes 120` | not run by the course |" in report
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
@@ -146,8 +150,9 @@ def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(
     (learner / "checkpoints" / "finetune" / "model.pt").touch()  # fine-tuning trained once more
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert [c[0] for c in scripts.commands] == ["preferences.py", "dpo.py", "ppo.py", "grpo.py", "grpo.py",
-                                                *["evaluate.py"] * 5, "docs/plots.py"]
+    assert [c[0] for c in scripts.commands] == ["evaluate.py", "preferences.py", "dpo.py", "evaluate.py", "ppo.py",
+                                                "evaluate.py", "grpo.py", "evaluate.py", "grpo.py", "evaluate.py",
+                                                "docs/plots.py"]
     assert ["evaluate.py", "checkpoints/pretrain", "--valid-windows", "128"] not in scripts.commands
 
 
@@ -158,12 +163,12 @@ def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
     assert (learner / "checkpoints" / "finetune" / "model.pt").exists()  # saved along the way
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert [c[0] for c in scripts.commands[:2]] == ["finetune.py", "preferences.py"]
+    assert [c[0] for c in scripts.commands[:3]] == ["finetune.py", "evaluate.py", "preferences.py"]
 
 
 def test_a_failing_step_stops_the_course_with_one_line(learner, monkeypatch):
     Scripts(monkeypatch, fail_at="dpo.py", failure=subprocess.CalledProcessError(2, "dpo.py"))
-    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --minutes 10; "
+    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --steps 100 --minutes 30; "
                                          r"once it is fixed, python course.py goes on from there$"):
         take_course(monkeypatch)
     assert not (learner / "report").exists()
