@@ -41,16 +41,18 @@ REPORT = Path("report") / "README.md"
 RECORD = RUNS / "course.json"  # each step's command and minutes, kept from one run of the course to the next
 PLOTS = ROOT / "docs" / "img"  # where docs/plots.py draws
 KL = 0.05  # the KL weight of PPO and of the first GRPO run; the second runs without the penalty
-# Each training script's budget, as its options. Steps and rollouts, so that any machine makes the
-# same models, a faster one sooner; the minutes only cap a machine too slow for them.
+# Each training script's budget, as its options: steps and rollouts, so that any machine makes the
+# same models, a faster one sooner. The minutes are a cap, about twice what two CPU cores take,
+# so that only a machine far slower than those stops short (with a model that learned less).
 # Pretraining: 2,322 steps, what an hour gave on the project's CPU on a quick day, and the base
 # that fine-tuning's recipe was measured from (episode 3, step 11). Fine-tuning: its own 1,000 steps.
 # DPO: 100 steps, about ten minutes on two CPU cores. PPO and GRPO: the video's rollouts in its
 # ten minutes, 32 with the penalty and 36 without. The models are measured with three seeds of
 # the held-out stories, as the docs do.
-FULL = {"pretrain": ["--steps", "2322", "--minutes", "120"], "finetune": [], "dpo": ["--steps", "100", "--minutes", "30"],
-        "ppo": ["--rollouts", "32", "--minutes", "60"], "grpo": ["--rollouts", "32", "--minutes", "60"],
-        "grpo-kl-0": ["--rollouts", "36", "--minutes", "60"], "instructions": 2000, "eval_seeds": 3}
+FULL = {"pretrain": ["--steps", "2322", "--minutes", "360"], "finetune": ["--minutes", "240"],
+        "dpo": ["--steps", "100", "--minutes", "60"], "ppo": ["--rollouts", "32", "--minutes", "120"],
+        "grpo": ["--rollouts", "32", "--minutes", "120"], "grpo-kl-0": ["--rollouts", "36", "--minutes", "120"],
+        "instructions": 2000, "eval_seeds": 3}
 # Enough for each script to take some steps and save its model: the whole path works, though
 # the models learn little. The loss on plain stories on 128 windows of them, not all 1,266.
 QUICK = {"pretrain": ["--minutes", "3"], "finetune": ["--minutes", "1.5"], "dpo": ["--minutes", "1"],

@@ -18,15 +18,15 @@ def evaluated(model):
 
 FULL_COMMANDS = [
     ["data.py", "--source", "../shared/data/tinystories"],
-    ["train.py", "--steps", "2322", "--minutes", "120", "--device", "cpu"], *evaluated("checkpoints/pretrain"),
-    ["finetune.py", "--device", "cpu"], *evaluated("checkpoints/finetune"),
+    ["train.py", "--steps", "2322", "--minutes", "360", "--device", "cpu"], *evaluated("checkpoints/pretrain"),
+    ["finetune.py", "--minutes", "240", "--device", "cpu"], *evaluated("checkpoints/finetune"),
     ["preferences.py", "--instructions", "2000", "--device", "cpu"],
-    ["dpo.py", "--steps", "100", "--minutes", "30", "--device", "cpu"], *evaluated("checkpoints/dpo"),
-    ["ppo.py", "--rollouts", "32", "--minutes", "60", "--kl", "0.05", "--device", "cpu"],
+    ["dpo.py", "--steps", "100", "--minutes", "60", "--device", "cpu"], *evaluated("checkpoints/dpo"),
+    ["ppo.py", "--rollouts", "32", "--minutes", "120", "--kl", "0.05", "--device", "cpu"],
     *evaluated("checkpoints/ppo/kl-0.05"),
-    ["grpo.py", "--rollouts", "32", "--minutes", "60", "--kl", "0.05", "--device", "cpu"],
+    ["grpo.py", "--rollouts", "32", "--minutes", "120", "--kl", "0.05", "--device", "cpu"],
     *evaluated("checkpoints/grpo/kl-0.05"),
-    ["grpo.py", "--rollouts", "36", "--minutes", "60", "--kl", "0", "--device", "cpu"],
+    ["grpo.py", "--rollouts", "36", "--minutes", "120", "--kl", "0", "--device", "cpu"],
     *evaluated("checkpoints/grpo/kl-0"),
     ["docs/plots.py"],
 ]
@@ -104,7 +104,7 @@ def test_every_step_runs_in_order_and_the_report_has_the_table_plots_and_stories
 
     report = (learner / "report" / "README.md").read_text()
     assert "`python course.py --source ../shared/data/tinystories --device cpu` on " in report
-    assert "| pretraining | `python train.py --steps 2322 --minutes 120 --device cpu` | 0.0 |" in report
+    assert "| pretraining | `python train.py --steps 2322 --minutes 360 --device cpu` | 0.0 |" in report
     assert "| in all | | 0.0 |" in report
     assert "| ppo-kl-0.05 | 45% | 2.40 | 50% |" in report
     assert "| grpo-kl-0 | 58% | 2.40 | 50% |" in report
@@ -133,7 +133,7 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     assert ("== fine-tuning: skipped: checkpoints/finetune/model.pt exists, made by python finetune.py --minutes 1.5\n"
             in capsys.readouterr().out)
     report = (learner / "report" / "README.md").read_text()
-    assert "| pretraining | `python train.py --steps 2322 --minutes 120` | not run by the course |" in report
+    assert "| pretraining | `python train.py --steps 2322 --minutes 360` | not run by the course |" in report
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
@@ -168,7 +168,7 @@ def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
 
 def test_a_failing_step_stops_the_course_with_one_line(learner, monkeypatch):
     Scripts(monkeypatch, fail_at="dpo.py", failure=subprocess.CalledProcessError(2, "dpo.py"))
-    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --steps 100 --minutes 30; "
+    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --steps 100 --minutes 60; "
                                          r"once it is fixed, python course.py goes on from there$"):
         take_course(monkeypatch)
     assert not (learner / "report").exists()
