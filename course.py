@@ -23,18 +23,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from types import SimpleNamespace
 
-from bench.common import machine
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from checkpoints import CHECKPOINTS, RUNS
 from data import SEED
+from devices import machine
 from dpo import run_name as dpo_run_name
-from evaluate import model_name, table
+from evaluate import model_name, spread, table
 from files import DATA, atomic
-from model import CHECKPOINTS, RUNS
 from ppo import LR
 from preferences import PAIRS
 from rl import run_name
+from sample import MAX_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent
 REPORT = Path("report") / "README.md"
@@ -53,6 +55,14 @@ FULL = {"pretrain": ["--steps", "2322", "--minutes", "360"], "finetune": ["--min
         "dpo": ["--steps", "100", "--minutes", "60"], "ppo": ["--rollouts", "32", "--minutes", "120"],
         "grpo": ["--rollouts", "32", "--minutes", "120"], "grpo-kl-0": ["--rollouts", "36", "--minutes", "120"],
         "instructions": 2000, "eval_seeds": 3}
+LAST_ROLLOUTS = 5  # the end of an RL run, for its KL per story: the video's "over the last five rollouts"
+# The GRPO episode's table, as the video reports it from its laptop (one run of each), beside ours.
+VIDEO = """| model | words used | loss on plain stories | stories that end within 200 tokens | KL per story at the end |
+| --- | --- | --- | --- | --- |
+| fine-tuned | 27% | 2.38 | 48% | 0 |
+| PPO, KL 0.05 (about 32 rollouts) | 45% | 2.48 | 30% | about 19 |
+| GRPO, KL 0.05 (32 rollouts) | 50% | 2.46 | 42% | about 14 |
+| GRPO, KL 0 (36 rollouts) | 58% | 2.56 | 8% | about 44 |"""
 # Enough for each script to take some steps and save its model: the whole path works, though
 # the models learn little. The loss on plain stories on 128 windows of them, not all 1,266.
 QUICK = {"pretrain": ["--minutes", "3"], "finetune": ["--minutes", "1.5"], "dpo": ["--minutes", "1"],
@@ -121,7 +131,7 @@ def course(budget, seeds=1, source=None, device=None):
             steps += trained(f"{script[:-3].upper()}, KL {kl:g}{named}", [script, *budget[key], "--kl", f"{kl:g}", *seeded],
                              folders[key], final(finetuned))
     # The plots are drawn again every time, from whatever runs/ holds now: it takes seconds.
-    steps.append(Step("plots", ["docs/plots.py"], needs="matplotlib"))
+    steps.append(Step("plots", ["docs/plots.py", "--course"], needs="matplotlib"))
     return steps
 
 
@@ -197,19 +207,76 @@ def drawn_plots(record):
     return sorted(p for p in PLOTS.glob("*.png") if p.stat().st_mtime >= plots["started"] - 1)
 
 
+def model_rows(seeds):
+    """The report's rows: each kind of model, and the folders of its training seeds."""
+    by_seed = [seed_models(seed) for seed in training_seeds(seeds)]
+    return {"pretrained": [CHECKPOINTS / "pretrain"], "fine-tuned": [CHECKPOINTS / "finetune"],
+            "DPO": [m["dpo"] for m in by_seed], f"PPO, KL {KL:g}": [m["ppo"] for m in by_seed],
+            f"GRPO, KL {KL:g}": [m["grpo"] for m in by_seed], "GRPO, KL 0": [m["grpo-kl-0"] for m in by_seed]}
+
+
+def measured(folder):
+    """evaluate.py's figures for a model, or None before it is measured."""
+    path = evaluation(folder)
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def made(folder):
+    """What a model's training took, as its checkpoint records it: its steps or rollouts."""
+    made_by = (measured(folder) or {}).get("made_by", {})
+    unit = next((unit for unit in ("rollout", "step") if unit in made_by), None)
+    return f"{made_by[unit]:,} {unit}s" if unit else ""
+
+
+def kl_at_the_end(folder, last=LAST_ROLLOUTS):
+    """An RL run's KL from the fine-tuned model per story, over its last rollouts, from its
+    TensorBoard log (runs/ppo/kl-0.05 for checkpoints/ppo/kl-0.05); None for other models."""
+    run = RUNS / folder.relative_to(CHECKPOINTS)
+    if folder.parent.name not in ("ppo", "grpo") or not run.exists():
+        return None
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    kl = [point.value for point in events.Scalars("rollout/kl")] if "rollout/kl" in events.Tags()["scalars"] else []
+    return sum(kl[-last:]) / len(kl[-last:]) if kl else None
+
+
+def summary(rows):
+    """The table of models: for each, the mean over its training seeds and their range."""
+    lines = [f"| model | training seeds | trained for | words used | loss on plain stories | stories that end within "
+             f"{MAX_NEW_TOKENS} tokens | KL per story, last {LAST_ROLLOUTS} rollouts |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, folders in rows.items():
+        results = [(folder, measured(folder)) for folder in folders if measured(folder)]
+        if not results:
+            continue
+        words = [sum(r["words_used_by_seed"]) / len(r["words_used_by_seed"]) for _, r in results]
+        kl = [k for k in (kl_at_the_end(folder) for folder, _ in results) if k is not None]
+        lines.append(f"| {label} | {len(results)} | {', '.join(sorted({made(f) for f, _ in results}))} | "
+                     f"{spread(words)} | {spread([r['valid_loss'] for _, r in results], '{:.2f}')} | "
+                     f"{spread([r['ended'] for _, r in results])} | {spread(kl, '{:.1f}') if kl else ''} |")
+    return "\n".join(lines)
+
+
 def report(steps, record, seeds=1):
-    """report/README.md: the machine, each step's minutes, the table of models, the plots and a story from each."""
+    """report/README.md: the machine, each step's minutes, the table of models (each a mean over
+    its training seeds), the video's figures beside them, the plots and a story from each model."""
     lines = ["# The course, as it ran here", "", f"`{shown(sys.argv)}` on {machine()}.", "",
              "| step | command | minutes |", "| --- | --- | --- |"]
     for step in steps:
-        made = record.get(step.name) or {}
-        minutes = "not run by the course" if made.get("minutes") is None else f"{made['minutes']:.1f}"
-        lines.append(f"| {step.name} | `{made.get('command', shown(step.command))}` | {minutes} |")
+        made_here = record.get(step.name) or {}
+        minutes = "not run by the course" if made_here.get("minutes") is None else f"{made_here['minutes']:.1f}"
+        lines.append(f"| {step.name} | `{made_here.get('command', shown(step.command))}` | {minutes} |")
     total = sum(record[step.name]["minutes"] or 0 for step in steps if step.name in record)
     lines.append(f"| in all | | {total:.1f} |")
 
-    results = [json.loads(evaluation(m).read_text(encoding="utf-8")) for m in models(seeds) if evaluation(m).exists()]
-    lines += ["", "## The models", "", table(results)]
+    rows = model_rows(seeds)
+    results = [r for folders in rows.values() for r in map(measured, folders) if r]
+    held_out = max((r.get("seeds", 1) for r in results), default=1)
+    lines += ["", "## The models", "", "Each figure is the mean over the training seeds, and in brackets their lowest "
+              "and highest" + (f"; each model's words used is itself the mean over {held_out} seeds of the held-out "
+                               "stories" if held_out > 1 else "") + ".", "", summary(rows)]
+    lines += ["", "As the GRPO video reports them (its laptop, one run each):", "", VIDEO]
+    lines += ["", "Each model on its own:", "", table(results)]
 
     lines += ["", "## Plots", ""]
     images = drawn_plots(record)

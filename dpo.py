@@ -41,11 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
 from data import SEED, instruction
+from devices import autocast, pick_device
 from evaluate import heldout_stories, load_instructions, words_used
 from files import check_writable
 from finetune import collate
-from model import CHECKPOINTS, RUNS, autocast, load_checkpoint, log_softmax_at, pick_device, save_checkpoint
+from kernels import log_softmax_at
 from preferences import load_pairs
 from sample import write
 from tokenizer import encode_prompt, load_tokenizer
@@ -135,8 +137,7 @@ def main():
 
     device = pick_device(args.device)
     precision = args.precision
-    settings = {**vars(args), "device": str(device), "precision": precision, "beta": BETA, "lr": LR,
-                "min_lr": MIN_LR, "warmup": WARMUP, "batch": BATCH}
+    settings = run_settings(args, globals(), device=str(device), precision=precision)
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer()

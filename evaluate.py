@@ -38,9 +38,10 @@ import json
 import re
 from pathlib import Path
 
+from checkpoints import RUNS, load_checkpoint, read_checkpoint
 from data import HELDOUT, WORD, read_heldout
+from devices import pick_device
 from files import atomic
-from model import RUNS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, write_stories
 from tokenizer import load_tokenizer
 from train import load_tokens, valid_loss
@@ -144,11 +145,11 @@ def saved_name(path):
     return "-".join(part for part in parts if part.strip("/."))
 
 
-def spread(values):
-    """A figure over several seeds: the mean, and the lowest and highest."""
+def spread(values, form="{:.0%}"):
+    """A figure over several seeds: the mean, and the lowest and highest (in `form`)."""
     if len(values) == 1:
-        return f"{values[0]:.0%}"
-    return f"{sum(values) / len(values):.0%} ({min(values):.0%} to {max(values):.0%})"
+        return form.format(values[0])
+    return f"{form.format(sum(values) / len(values))} ({form.format(min(values))} to {form.format(max(values))})"
 
 
 def table(rows):
@@ -180,7 +181,10 @@ def main():
     for path in args.models:
         model = load_checkpoint(path, device, tokenizer).eval()
         name = model_name(path)
+        # What made the model (its script, steps or rollouts, settings) goes with its figures.
+        made_by = read_checkpoint(path)["made_by"]
         result = {"model": name, "checkpoint": str(path), "seeds": args.seeds, "valid_windows": args.valid_windows,
+                  "made_by": made_by,
                   **measure(model, tokenizer, instructions, valid_tokens, device, args.seeds, args.valid_windows)}
         with atomic(RUNS / "evaluate" / f"{saved_name(path)}.json") as tmp:
             tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -70,9 +70,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
 from data import SEED, WORD, ask, instruction
+from devices import autocast, default_precision, pick_device
 from files import check_writable, read_instructions, read_words
-from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device, save_checkpoint
 from tokenizer import encode_prompt, load_tokenizer
 from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens, make_optimizer, optimizer_step,
                    parse_training_args, train_step, training_parser, valid_loss)
@@ -259,8 +260,7 @@ def main():
 
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
-    settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH,
-                "max_length": MAX_LENGTH, "min_lr": MIN_LR, "warmup": WARMUP}
+    settings = run_settings(args, globals(), device=str(device), precision=precision)
     print(json.dumps(settings))
     tokenizer = load_tokenizer()
     torch.manual_seed(args.seed)

@@ -41,15 +41,16 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
+from devices import autocast, default_precision, pick_device
 from dpo import evaluate
 from evaluate import load_instructions, words_used
 from files import check_writable
-from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
 from ppo import CLIP, EPOCHS, LR, MINIBATCH, pack, token_logprobs
 from preferences import load_asks
 from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
                 run_name, save_rollout)
-from sample import MAX_NEW_TOKENS, cut_at_end
+from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
 from train import optimizer_step
 
@@ -67,7 +68,7 @@ def rollout(policy, tokenizer, asks, rng, seed):
     prompts = [torch.tensor([tokens], device=device).repeat(GROUP, 1) for tokens, _ in picked]
     # Temperature 1 and no top-k, as in PPO: the update compares probabilities with the full distribution.
     generator = torch.Generator(device=device).manual_seed(seed)
-    outs = policy.generate(prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+    outs = generate(policy, prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
     asked, stories, rewards = [], [], []
     for (tokens, words), out in zip(picked, outs):
         # Each row of out is the prompt, then the story: the story is what comes past the prompt.
@@ -108,9 +109,7 @@ def main():
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     name = run_name(args, LR)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
-    settings = {**vars(args), "script": "grpo.py", "device": str(device), "precision": precision, "clip": CLIP,
-                "epochs": EPOCHS, "minibatch": MINIBATCH, "prompts": PROMPTS, "group": GROUP,
-                "max_new_tokens": MAX_NEW_TOKENS}
+    settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision)
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)

@@ -54,15 +54,16 @@ import torch
 import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
+from devices import autocast, default_precision, pick_device
 from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
 from files import check_writable
 from finetune import collate
-from model import CHECKPOINTS, RUNS, autocast, default_precision, load_checkpoint, pick_device
 from preferences import load_asks
 from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
                 run_name, save_rollout)
-from sample import MAX_NEW_TOKENS, cut_at_end
+from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
 from train import optimizer_step
 
@@ -87,7 +88,7 @@ def rollout(policy, tokenizer, asks, rng, seed):
     prompts = [torch.tensor([tokens for tokens, _ in batch], device=device) for batch in batches]
     # Temperature 1 and no top-k: the update compares probabilities with the full distribution.
     generator = torch.Generator(device=device).manual_seed(seed)
-    outs = policy.generate(prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+    outs = generate(policy, prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
     asked, stories, rewards = [], [], []
     for batch, out in zip(batches, outs):
         for (tokens, words), row in zip(batch, out[:, len(batch[0][0]):].tolist()):
@@ -148,9 +149,7 @@ def main():
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     name = run_name(args, LR)
-    settings = {**vars(args), "script": "ppo.py", "device": str(device), "precision": precision, "clip": CLIP,
-                "epochs": EPOCHS, "minibatch": MINIBATCH, "value_weight": VALUE_WEIGHT,
-                "stories": BATCHES * PER_BATCH, "max_new_tokens": MAX_NEW_TOKENS}
+    settings = run_settings(args, globals(), script="ppo.py", device=str(device), precision=precision)
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)

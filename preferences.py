@@ -20,10 +20,11 @@ import time
 
 import numpy as np
 
+from checkpoints import CHECKPOINTS, load_checkpoint
 from data import SEED
+from devices import pick_device
 from evaluate import words_used
 from files import DATA, atomic, check_writable, read_instructions
-from model import CHECKPOINTS, load_checkpoint, pick_device
 from sample import MAX_NEW_TOKENS, write_stories
 from tokenizer import encode_prompt, load_tokenizer
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
+from checkpoints import read_checkpoint, save_checkpoint
 from data import SEED
-from model import read_checkpoint, save_checkpoint
 
 EVAL_EVERY = 10  # rollouts
 

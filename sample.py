@@ -1,5 +1,5 @@
 """
-Episode 4, sampling: from a prompt to a story, one token at a time.
+Episode 4, sampling: from a prompt to a story, one token at a time, fast.
 
 write() is what every later episode uses to hear from a model: a prompt in, a story out,
 with a temperature (1 samples from the model's own distribution; lower is safer and duller;
@@ -7,13 +7,18 @@ with a temperature (1 samples from the model's own distribution; lower is safer 
 seed, and at most MAX_NEW_TOKENS. A story stops at its first end-of-text, which it keeps:
 ending a story is something the model has to learn too.
 
-write_stories() writes many stories in one pass: up to 128 prompts, of any lengths, go into
-one batch, with the model's KV cache (model.py), and a batch finishes early once every story
-has ended. The RL episodes write their 128 stories at once this way.
+The model's own generate() (model.py) runs the whole story again for every new token.
+generate() here writes the same stories fast. The KV cache keeps each layer's keys and
+values, so a new token costs one position. When a batch repeats one prompt (a GRPO group),
+the prompt runs once and its keys and values are copied to every story. A rollout of many
+prompts of several lengths (GRPO's 16 instructions, each 8 times) is one batch too: each
+prompt runs once, each row then writes at its own positions, and rows whose story has ended
+leave the batch. write_stories() writes up to 128 prompts at once this way; the RL episodes
+write their 128 stories with generate().
 
 A prompt starts with an end-of-text token, as every story did in pretraining, so the model
 knows a new story begins. Writing runs in float32 unless the caller asks for bfloat16 with
-model.autocast, as the RL episodes do where it is faster (their update runs in it too).
+devices.autocast, as the RL episodes do where it is faster (their update runs in it too).
 
     python sample.py --words rain cake jump                  (the fine-tuned model)
     python sample.py --model checkpoints/pretrain --prompt "Once upon a time"
@@ -24,15 +29,18 @@ import re
 from itertools import groupby
 
 import torch
+import torch.nn.functional as F
 
+from checkpoints import CHECKPOINTS, load_checkpoint
 from data import instruction
-from model import CHECKPOINTS, load_checkpoint, pick_device
+from devices import pick_device
 from tokenizer import encode_prompt, load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes
 # them all infinite) and the draw lands past the last token. 0 takes the likeliest token.
 MIN_TEMPERATURE = 1e-3
+BLOCK = 64  # tokens in a block of next_token's running sum: 84 blocks of the series' 5,376
 
 
 def cut_at_end(tokens, eot):
@@ -55,7 +63,7 @@ def write_stories(model, tokenizer, prompts, max_new_tokens=MAX_NEW_TOKENS, temp
     for start in range(0, len(encoded), batch):
         # Copies of one prompt, one after another, make a group: a (copies, length) tensor.
         groups = [torch.tensor(list(copies), device=device) for _, copies in groupby(encoded[start:start + batch])]
-        outs = model.generate(groups, max_new_tokens, temperature, top_k, stop=tokenizer.eot, generator=generator)
+        outs = generate(model, groups, max_new_tokens, temperature, top_k, stop=tokenizer.eot, generator=generator)
         for group, out in zip(groups, outs):
             stories += [cut_at_end(row, tokenizer.eot) for row in out[:, group.size(1):].tolist()]
     model.train(was_training)
@@ -66,6 +74,171 @@ def write(model, tokenizer, prompt, max_new_tokens=MAX_NEW_TOKENS, temperature=1
     """The story a model writes after a prompt, as text; it ends with <|endoftext|> if the model ended it."""
     (story,) = write_stories(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(story)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, stop=None, generator=None):
+    """What model.generate writes, fast: up to max_new_tokens after each row of prompts, every
+    row at once. prompts is a (B, T) tensor of prompts of one length, or a list of such
+    tensors of several lengths (a GRPO rollout: each instruction stacked eight times).
+    Temperature 0 takes the likeliest token. A row that writes `stop` writes only `stop`
+    after it, and writing ends early once every row has stopped. Returns each prompt with
+    what was written after it, as it came: a (B, T + tokens written) tensor, or a list of them."""
+    groups = prompts if isinstance(prompts, list) else [prompts]
+    assert max_new_tokens >= 1, "write at least one token"
+    logits, cache = prefill(model, groups, max_new_tokens)
+    written = write_after(model, logits, cache, max_new_tokens, temperature, top_k, stop, generator)
+    outs = [torch.cat([group, new], dim=1) for group, new in zip(groups, written.split([len(g) for g in groups]))]
+    return outs if isinstance(prompts, list) else outs[0]
+
+
+def prefill(model, groups, max_new_tokens):
+    """Runs the prompts through the model, filling a cache; returns each row's next-token
+    logits and the cache."""
+    caches, logits = [], []
+    for group in groups:
+        # A group that repeats one prompt runs it once, with a batch of one; its keys and
+        # values are then copied to every row, and its next-token logits serve every row.
+        shared = len(group) > 1 and bool((group == group[:1]).all())
+        cache = KVCache(model.config, group.size(1) + max_new_tokens)
+        out, _ = model(group[:1] if shared else group, cache=cache)
+        caches.append(cache)
+        logits.append(out[:, -1].expand(len(group), -1))
+    if len(groups) == 1:
+        if shared:
+            cache.repeat(len(group))
+        return logits[0], cache
+    # Prompts of several lengths: one cache for all the rows, each counting its own positions.
+    cache = KVCache(model.config, max(c.length for c in caches))
+    cache.gather(caches, [len(group) for group in groups])
+    return torch.cat(logits), cache
+
+
+def write_after(model, logits, cache, max_new_tokens, temperature, top_k, stop, generator):
+    """The tokens written after each row's prompt, one step for every row at a time:
+    (rows, tokens written)."""
+    rows = logits.size(0)
+    written = torch.full((rows, max_new_tokens), 0 if stop is None else stop, device=logits.device)
+    writing = torch.arange(rows, device=logits.device)  # the rows in the batch, by their place in written
+    ended = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    for step in range(max_new_tokens):
+        token = next_token(logits, temperature, top_k, generator)
+        if stop is not None:
+            token = torch.where(ended, stop, token)
+            ended |= token == stop
+        written[writing, step] = token
+        if step + 1 == max_new_tokens or bool(ended.all()):
+            break
+        # Rows that have ended leave the batch once they are a quarter of it, so they stop
+        # costing a step each; not one at a time, as each leaving copies the cache.
+        if int(ended.sum()) * 4 >= len(ended):
+            going = ~ended
+            writing, token, ended = writing[going], token[going], ended[going]
+            cache.keep(going)
+        logits, _ = model(token[:, None], cache=cache)
+        logits = logits[:, -1]
+    return written[:, :step + 1]
+
+
+class KVCache:
+    """Each layer's keys and values for the positions written so far. `filled` counts those
+    positions: one number when every row's prompt has one length, or a tensor with a count
+    for each row when a batch holds prompts of several lengths (see gather)."""
+
+    def __init__(self, config, length):
+        self.n_layer, self.length, self.filled = config.n_layer, length, 0
+        self.keys = self.values = None  # made at the first call, on the layers' device
+
+    def add(self, layer, k, v):
+        """Stores new keys and values; returns the layer's keys and values so far, and which of
+        them each row may see (None: all of them)."""
+        # Either a whole prompt from position 0, or one new token that may see all before it.
+        assert k.size(2) == 1 or (not torch.is_tensor(self.filled) and self.filled == 0), \
+            "the cache takes a prompt first, then one token at a time"
+        if torch.is_tensor(self.filled):
+            return self.add_per_row(layer, k, v)
+        batch, heads, new, head_size = k.shape
+        if self.keys is None:
+            shape = (self.n_layer, batch, heads, self.length, head_size)
+            # In the precision the layers give them: bfloat16 under its autocast, where each new
+            # token's attention reads the whole cache, so half the bytes is a faster step.
+            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+        end = self.filled + new
+        self.keys[layer, :, :, self.filled:end] = k
+        self.values[layer, :, :, self.filled:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None
+
+    def add_per_row(self, layer, k, v):
+        # One new token per row, each at its row's own next position; a row sees only the
+        # positions it has filled, not the slots a shorter prompt left empty.
+        rows = torch.arange(k.size(0), device=k.device)
+        self.keys[layer, rows, :, self.filled] = k[:, :, 0]
+        self.values[layer, rows, :, self.filled] = v[:, :, 0]
+        end = int(self.filled.max()) + 1
+        visible = torch.arange(end, device=k.device) <= self.filled[:, None]
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]
+
+    def repeat(self, copies):
+        """A cache of one prompt becomes a cache of `copies` identical rows."""
+        self.keys = self.keys.repeat(1, copies, 1, 1, 1)
+        self.values = self.values.repeat(1, copies, 1, 1, 1)
+
+    def gather(self, caches, rows):
+        """Fills this cache with the caches of several prompts (one row each, or one row per
+        copy), each copied to its number of rows; each row keeps its own count of positions."""
+        first = caches[0].keys
+        shape = (self.n_layer, sum(rows), first.size(2), self.length, first.size(4))
+        self.keys, self.values = first.new_zeros(shape), first.new_zeros(shape)
+        start = 0
+        for cache, count in zip(caches, rows):
+            self.keys[:, start:start + count, :, :cache.filled] = cache.keys[:, :, :, :cache.filled]
+            self.values[:, start:start + count, :, :cache.filled] = cache.values[:, :, :, :cache.filled]
+            start += count
+        self.filled = torch.tensor([c.filled for c, count in zip(caches, rows) for _ in range(count)],
+                                   device=first.device)
+
+    def keep(self, rows):
+        """Only these rows (a mask) from now on: the others have ended their stories."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        if torch.is_tensor(self.filled):
+            self.filled = self.filled[rows]
+
+
+def sampling_logits(logits, temperature, top_k):
+    """The logits a token is drawn from: divided by the temperature, and all but the k
+    likeliest tokens ruled out when top_k is given."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[..., [-1]]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    return logits
+
+
+def next_token(logits, temperature, top_k, generator):
+    """One token for each row of logits: the likeliest at temperature 0, else a draw."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = sampling_logits(logits, temperature, top_k)
+    # Inverse-CDF sampling: draw a uniform number and take the token where it falls in the
+    # running sum of the probabilities. It samples from the same distribution as
+    # torch.multinomial with one random number per row, where multinomial draws noise for
+    # every one of the 5,376 tokens. The running sum is in float64 (but for Apple's MPS, which
+    # has none), so that rounding moves no token's share, and in two steps, as a sum that runs
+    # along 5,376 numbers is the slowest part of a step: over blocks of BLOCK tokens, to find
+    # the block the draw falls in, then along that block alone.
+    precise = torch.float32 if logits.device.type == "mps" else torch.float64
+    rows, vocab = logits.shape
+    probs = F.pad(F.softmax(logits, dim=-1), (0, -vocab % BLOCK)).to(precise).view(rows, -1, BLOCK)
+    by_block = probs.sum(dim=-1).cumsum(dim=-1)
+    uniform = torch.rand(rows, 1, generator=generator, device=logits.device, dtype=precise)
+    draw = uniform * by_block[:, -1:]  # scaled by the whole sum, which rounding leaves a hair off 1
+    block = torch.searchsorted(by_block, draw, right=True).clamp(max=by_block.size(1) - 1)
+    before = F.pad(by_block, (1, 0)).gather(1, block)  # the sum of the blocks before it
+    within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1)
+    place = torch.searchsorted(within, draw - before, right=True).clamp(max=BLOCK - 1)
+    # Rounding can leave a draw a hair past its block's sum: it then takes the block's last token.
+    return (block * BLOCK + place).squeeze(1).clamp(max=vocab - 1)
 
 
 def main():

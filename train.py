@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, read_checkpoint, run_settings, save_checkpoint
 from data import SEED
+from devices import autocast, default_precision, pick_device
 from files import DATA, check_made, check_writable
-from model import (CHECKPOINTS, GPT, RUNS, Config, autocast, default_precision, load_checkpoint, pick_device,
-                   read_checkpoint, save_checkpoint)
+from model import GPT, Config
 from tokenizer import encode_prompt, load_tokenizer
 
 BATCH = 16  # windows per step
@@ -191,9 +192,7 @@ def main():
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
         optimizer = make_optimizer(model)
         print(f"model: {model.parameter_count() / 1e6:.2f}M parameters")
-    settings = {**vars(args), "device": str(device), "precision": precision, "batch": BATCH, "context": CONTEXT,
-                "lr": LR, "min_lr": MIN_LR, "warmup": WARMUP, "weight_decay": WEIGHT_DECAY, "betas": BETAS,
-                "clip": CLIP, "eval_every": EVAL_EVERY, "seed": SEED}
+    settings = run_settings(args, globals(), device=str(device), precision=precision)
     print(json.dumps(settings))
     writer = SummaryWriter(RUNS / "pretrain")
     writer.add_text("settings", json.dumps(settings, indent=1), step)

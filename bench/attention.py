@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, timed  # noqa: E402
+from bench.common import timed  # noqa: E402
 from bench.train import DTYPES  # noqa: E402
-from model import Config, pick_device  # noqa: E402
+from devices import machine, pick_device  # noqa: E402
+from model import Config  # noqa: E402
 
 
 def attention_inputs(stories, length, dtype, device):

@@ -1,26 +1,13 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
 memory is its own, timing a piece of work (a GPU's, not only its queueing), and describing the machine
-the figures came from."""
+the figures came from (devices.machine)."""
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 
 import torch
-
-
-def machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def synchronize(device):

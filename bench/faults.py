@@ -30,9 +30,10 @@ sys.path.insert(0, str(REPOSITORY))
 
 import torch  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from checkpoints import read_checkpoint, save_checkpoint  # noqa: E402
+from devices import machine  # noqa: E402
 from files import DATA  # noqa: E402
-from model import GPT, TINY, Config, read_checkpoint, save_checkpoint  # noqa: E402
+from model import GPT, TINY, Config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import make_optimizer  # noqa: E402
 

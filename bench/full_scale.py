@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine  # noqa: E402
 from data import SEPARATOR, local_files, read_stories  # noqa: E402
+from devices import machine  # noqa: E402
 
 # Each step as the course runs it, with a budget of a few steps rather than minutes; the line
 # it prints once it has done some real work, and what that line means (None: only the total).

@@ -19,8 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, run_variant, synchronize  # noqa: E402
-from model import GPT, Config, next_token, pick_device  # noqa: E402
+from bench.common import peak_memory_mb, run_variant, synchronize  # noqa: E402
+from devices import machine, pick_device  # noqa: E402
+from model import GPT, Config  # noqa: E402
+from sample import generate, next_token  # noqa: E402
 
 PROMPT_LENGTH = 19  # as long as most instructions, end-of-text included
 
@@ -39,11 +41,11 @@ def measure(variant, stories, new_tokens, device):
     model = GPT(Config()).to(device).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LENGTH), device=device).repeat(stories, 1)
     generator = torch.Generator(device=device).manual_seed(0)
-    write = model.generate if variant == "cache" else lambda *args, **kwargs: without_cache(model, *args, **kwargs)
-    write(prompt[:2], 4, generator=generator)  # warm up
+    write = generate if variant == "cache" else without_cache
+    write(model, prompt[:2], 4, generator=generator)  # warm up
     synchronize(device)
     started = time.perf_counter()
-    out = write(prompt, new_tokens, generator=generator)
+    out = write(model, prompt, new_tokens, generator=generator)
     synchronize(device)
     seconds = time.perf_counter() - started
     assert out.shape == (stories, PROMPT_LENGTH + new_tokens)

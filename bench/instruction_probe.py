@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoints import RUNS, load_checkpoint  # noqa: E402
 from evaluate import model_name, saved_name  # noqa: E402
 from files import atomic, read_instructions  # noqa: E402
 from finetune import HELD_BACK, SEED, TUNE_POOL, first_uses  # noqa: E402
-from model import RUNS, load_checkpoint  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 

@@ -26,14 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, timed  # noqa: E402
+from bench.common import peak_memory_mb, timed  # noqa: E402
 from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
+from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
+from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from evaluate import words_used  # noqa: E402
-from grpo import GROUP, grpo_loss, group_advantages, rollout  # noqa: E402
-from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
+from grpo import GROUP, group_advantages, grpo_loss, rollout  # noqa: E402
 from ppo import EPOCHS, LR, MINIBATCH, pack, token_logprobs  # noqa: E402
 from preferences import load_asks  # noqa: E402
-from sample import MAX_NEW_TOKENS  # noqa: E402
+from sample import MAX_NEW_TOKENS, generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
 
@@ -42,7 +43,7 @@ def write_group_by_group(policy, tokenizer, prompts, seed):
     """The episode's literal loop: one call of 8 stories for each instruction."""
     generator = torch.Generator(device=prompts[0].device).manual_seed(seed)
     for prompt in prompts:
-        policy.generate(prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+        generate(policy, prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
 
 
 def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision):

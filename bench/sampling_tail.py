@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoints import load_checkpoint  # noqa: E402
 from dpo import DEMO  # noqa: E402
-from model import load_checkpoint, sampling_logits  # noqa: E402
-from sample import MAX_NEW_TOKENS, write_stories  # noqa: E402
+from sample import MAX_NEW_TOKENS, sampling_logits, write_stories  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 TAIL = 1e-4  # a token the model gives less than this is in its tail

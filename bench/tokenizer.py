@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tokenizer as bpe  # noqa: E402
-from bench.common import machine  # noqa: E402
 from data import stories  # noqa: E402
+from devices import machine  # noqa: E402
 from files import DATA  # noqa: E402
 
 

@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, peak_memory_mb, run_variant, synchronize  # noqa: E402
-from model import GPT, Config, pick_device  # noqa: E402
+from bench.common import peak_memory_mb, run_variant, synchronize  # noqa: E402
+from devices import machine, pick_device  # noqa: E402
+from model import GPT, Config  # noqa: E402
 from train import BATCH, CONTEXT, make_optimizer, train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -12,9 +12,9 @@ The ways compared, each the change of one step of episode 16:
 - align (step 7): a rollout packed at its own length (ALIGN 1), or rounded up to a multiple
   of finetune.ALIGN positions;
 - logprobs (step 9): each target's log-probability from torch's log_softmax over a float32
-  copy of every logit, or from model.log_softmax_at;
+  copy of every logit, or from kernels.log_softmax_at;
 - attention (step 10): the update's attention with torch's backward pass in bfloat16, or
-  with model.attention's in float32 (the same forward pass).
+  with kernels.attention's in float32 (the same forward pass).
 
     python bench/turns.py align           (about 4 minutes on a 2-core CPU)
     python bench/turns.py logprobs        (about 4 minutes)
@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dpo  # noqa: E402
 import finetune  # noqa: E402
-import model  # noqa: E402
-from bench.common import machine, timed  # noqa: E402
-from grpo import grpo_loss, group_advantages, rollout  # noqa: E402
-from model import CHECKPOINTS, autocast, default_precision, load_checkpoint, pick_device  # noqa: E402
+import kernels  # noqa: E402
+from bench.common import timed  # noqa: E402
+from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
+from devices import autocast, default_precision, machine, pick_device  # noqa: E402
+from grpo import group_advantages, grpo_loss, rollout  # noqa: E402
 from ppo import MINIBATCH, pack, token_logprobs  # noqa: E402
 from preferences import load_asks  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -46,7 +47,7 @@ from train import optimizer_step  # noqa: E402
 
 
 def log_softmax_by_gather(logits, targets):
-    """What model.log_softmax_at replaced: torch's log_softmax over a float32 copy of every logit."""
+    """What kernels.log_softmax_at replaced: torch's log_softmax over a float32 copy of every logit."""
     return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -55,7 +56,7 @@ WAYS = {
     "align": {"ALIGN 1": lambda: mock.patch.object(finetune, "ALIGN", 1), f"ALIGN {finetune.ALIGN}": nullcontext},
     "logprobs": {"log_softmax": lambda: mock.patch.object(dpo, "log_softmax_at", log_softmax_by_gather),
                  "log_softmax_at": nullcontext},
-    "attention": {"bf16 backward": lambda: mock.patch.object(model, "FLOAT32_BACKWARD", False),
+    "attention": {"bf16 backward": lambda: mock.patch.object(kernels, "FLOAT32_BACKWARD", False),
                   "float32 backward": nullcontext},
 }
 
@@ -90,7 +91,7 @@ def main():
         parser.error(f"--rollouts must be at least 1, --rounds between 1 and {128 // MINIBATCH}")
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
-    if args.comparison == "attention" and (device.type != "cpu" or precision != "bf16" or not model.FLOAT32_BACKWARD):
+    if args.comparison == "attention" and (device.type != "cpu" or precision != "bf16" or not kernels.FLOAT32_BACKWARD):
         parser.error("attention: the float32 backward pass serves bf16 on a CPU whose torch has the kernel's "
                      "operators; here both ways would be the same")
     tokenizer = load_tokenizer()

@@ -4,6 +4,7 @@ runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16),
 
     pip install matplotlib && python docs/plots.py
     python docs/plots.py rl-step-11-reward.png rl-step-11-heldout.png   # only these figures
+    python docs/plots.py --course     # the course's figures (course.py draws them), from its runs
 
 Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
 they are. Episode 16's step 8 (GRPO and PPO) and episode 7's step 5 (DPO) ran again from
@@ -161,6 +162,64 @@ def measured(run):
                    json.loads(probe.read_text()) if probe.exists() else None)
 
 
+# The course's figures (python course.py, any --seeds): its training curves, DPO's and each RL
+# method's runs, a line per training seed.
+COURSE_RL = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0": "GRPO, KL 0"}
+COURSE_FIGURES = ["course-training.png", "course-dpo.png", "course-rl.png"]
+
+
+def with_its_seeds(run):
+    """A run and its other training seeds' runs under runs/: grpo/kl-0.05, grpo/kl-0.05-seed-2..."""
+    folder = RUNS / run
+    pattern = rf"{re.escape(folder.name)}(-seed-\d+)?"
+    found = [p for p in folder.parent.glob(f"{folder.name}*") if re.fullmatch(pattern, p.name)]
+    return sorted((p.relative_to(RUNS).as_posix() for p in found), key=len)
+
+
+def panels(file, title, panels_of, lines):
+    """A row of plots, one per (title, tag, x label); each of lines is (run, label, colour)."""
+    figure, axes = plt.subplots(1, len(panels_of), figsize=(4.3 * len(panels_of), 3.5))
+    for axis, (panel_title, tag, xlabel) in zip(axes, panels_of):
+        labelled = set()
+        for run, label, colour in lines:
+            steps, values = scalars(run, tag)
+            axis.plot(steps, values, color=colour, alpha=0.85, linewidth=1.2, marker="o" if len(steps) < 15 else None,
+                      markersize=3, label=None if label in labelled else label)
+            labelled.add(label)
+        axis.set(title=panel_title, xlabel=xlabel)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(IMAGES / file, dpi=110)
+    plt.close(figure)
+    print(f"wrote docs/img/{file}")
+
+
+def course_figures(files):
+    """The course's figures, from whatever runs of its runs/ holds."""
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if "course-training.png" in files and (RUNS / "pretrain").exists():
+        panels("course-training.png", "The course: pretraining, then fine-tuning",
+               [("pretraining: loss on valid stories", "loss/valid", "step"),
+                ("fine-tuning: held-back instructions", "loss/instructions", "step"),
+                ("fine-tuning: plain valid stories", "loss/plain", "step")],
+               [("pretrain", "pretraining", colours[0]), ("finetune", "fine-tuning", colours[1])])
+    dpo = with_its_seeds("dpo")
+    if "course-dpo.png" in files and dpo:
+        panels("course-dpo.png", "The course: DPO, a line per training seed",
+               [("words used, held-out instructions", "words/heldout", "step"),
+                ("reward margin on each batch of pairs", "dpo/margin", "step")],
+               [(run, "DPO", colours[2]) for run in dpo])
+    rl = [(seeded, label, colours[3 + i]) for i, (run, label) in enumerate(COURSE_RL.items())
+          for seeded in with_its_seeds(run)]
+    if "course-rl.png" in files and rl:
+        panels("course-rl.png", "The course: PPO and GRPO, a line per training seed",
+               [("reward of each rollout", "rollout/reward", "rollout"),
+                ("KL from the fine-tuned model, per story", "rollout/kl", "rollout"),
+                ("words used, held-out instructions", "words/heldout", "rollout")], rl)
+
+
 def rl_table():
     """The RL runs in figures, printed as markdown: rollouts, the reward over the first and the
     last five rollouts, the KL per story over the last five, and the share of tied groups."""
@@ -179,14 +238,19 @@ def rl_table():
 
 def main():
     parser = argparse.ArgumentParser(description="Draw the docs' plots from the logs under runs/.")
-    parser.add_argument("files", nargs="*", help="only these figures (rl-reward.png, ...); default: all")
-    files = parser.parse_args().files
+    parser.add_argument("files", nargs="*", help="only these figures (rl-reward.png, ...); default: all the docs'")
+    parser.add_argument("--course", action="store_true", help="the course's figures only: " + ", ".join(COURSE_FIGURES))
+    args = parser.parse_args()
+    files = args.files
     drawn = [file for file, *_ in COMPARISONS + [(file,) for _, file, *_ in PLOTS]]
-    drawn += [file for file, _ in FINETUNE_FIGURES]
+    drawn += [file for file, _ in FINETUNE_FIGURES] + COURSE_FIGURES
     unknown = sorted(set(files) - set(drawn))
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
+    if args.course or set(files) & set(COURSE_FIGURES):
+        course_figures(files or COURSE_FIGURES)
+        return
     for file, title, ylabel, tag, runs in COMPARISONS:
         if (files and file not in files) or (not files and any(runs is named for named in ONLY_WHEN_NAMED)):
             continue

@@ -56,7 +56,8 @@ def workspace(tmp_path_factory):
     import torch
 
     import data
-    from model import GPT, TINY, Config, save_checkpoint
+    from checkpoints import save_checkpoint
+    from model import GPT, TINY, Config
     from tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("workspace")
@@ -82,7 +83,7 @@ def workspace_tokenizer(workspace):
 
 @pytest.fixture
 def workspace_model(workspace, workspace_tokenizer):
-    from model import load_checkpoint
+    from checkpoints import load_checkpoint
 
     return load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True).eval()
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import model
+import kernels
+from model import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def test_attention_benchmark_times_each_length_in_each_precision():
 @pytest.mark.parametrize("comparison, precision", [
     ("align", "fp32"), ("logprobs", "fp32"),
     pytest.param("attention", "bf16", marks=pytest.mark.skipif(
-        not model.FLOAT32_BACKWARD, reason="this build of torch lacks the CPU kernel's operators"))])
+        not kernels.FLOAT32_BACKWARD, reason="this build of torch lacks the CPU kernel's operators"))])
 def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilities(comparison, precision, run_main,
                                                                                   monkeypatch, capsys):
     import grpo
@@ -54,12 +55,12 @@ def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilitie
             return function(*args)
         return spy
     monkeypatch.setattr(turns, "log_softmax_by_gather", counted("gather", turns.log_softmax_by_gather))
-    monkeypatch.setattr(model.CausalAttentionFloat32Backward, "apply",
-                        counted("attention", model.CausalAttentionFloat32Backward.apply))
+    monkeypatch.setattr(kernels.CausalAttentionFloat32Backward, "apply",
+                        counted("attention", kernels.CausalAttentionFloat32Backward.apply))
     run_main(turns, comparison, "--rollouts", "1", "--rounds", "2", "--device", "cpu", "--precision", precision)
     assert bool(calls["gather"]) == (comparison == "logprobs")
     # Two rounds, each one minibatch's pass through every layer of the tiny model.
-    assert calls["attention"] == (2 * model.TINY["n_layer"] if comparison == "attention" else 0)
+    assert calls["attention"] == (2 * TINY["n_layer"] if comparison == "attention" else 0)
     out = capsys.readouterr().out
     for way in turns.WAYS[comparison]:
         assert re.search(rf"^\| {way} \| [\d, ]+ \| [\d.]+ s \| [\d.]+ s \|$", out, re.MULTILINE)

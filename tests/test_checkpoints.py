@@ -1,5 +1,7 @@
+import argparse
 import errno
 import os
+import re
 import time
 from pathlib import Path
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 import tokenizer as bpe
-from model import GPT, TINY, Config, checkpoint_file, load_checkpoint, read_checkpoint, save_checkpoint
+from checkpoints import checkpoint_file, load_checkpoint, read_checkpoint, run_settings, save_checkpoint
+from model import GPT, TINY, Config
 
 
 class Evil:
@@ -24,6 +27,17 @@ def test_saved_model_loads_with_the_same_outputs(small_model, small_tokenizer, t
     assert torch.equal(loaded(tokens)[0], small_model(tokens)[0])
     assert read_checkpoint(folder)["made_by"]["settings"] == {"lr": 1e-3}
     assert [p.name for p in folder.iterdir()] == ["model.pt"]  # no temporary file left
+
+
+def test_a_run_s_settings_are_its_constants_then_its_options():
+    constants = {"BATCH": 16, "BETAS": (0.9, 0.95), "LR": 1e-3, "EXAMPLE": "Write a story.", "AMX": True,
+                 "DATA": Path("data"), "WORD": re.compile("x"), "TINY": {"n_layer": 2}, "BOTH": (1, Path("x")),
+                 "make": print, "lower_case": 3}
+    options = argparse.Namespace(lr=3e-4, minutes=10.0, device=None)
+    settings = run_settings(options, constants, device="cpu", script="x.py")
+    # Numbers, strings and tuples of them, by their lower-case names; not paths, patterns, dicts or functions.
+    assert settings == {"batch": 16, "betas": (0.9, 0.95), "lr": 3e-4, "example": "Write a story.", "amx": True,
+                        "minutes": 10.0, "device": "cpu", "script": "x.py"}
 
 
 def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 import course
 
+
 def evaluated(model):
     return [["evaluate.py", model, "--seeds", "3", "--device", "cpu"]]
 
@@ -28,10 +29,12 @@ FULL_COMMANDS = [
     *evaluated("checkpoints/grpo/kl-0.05"),
     ["grpo.py", "--rollouts", "36", "--minutes", "120", "--kl", "0", "--device", "cpu"],
     *evaluated("checkpoints/grpo/kl-0"),
-    ["docs/plots.py"],
+    ["docs/plots.py", "--course"],
 ]
-WORDS_USED = {"pretrain": 0.06, "finetune": 0.27, "dpo": 0.31,
-              "ppo-kl-0.05": 0.45, "grpo-kl-0.05": 0.5, "grpo-kl-0": 0.58}
+WORDS_USED = {"pretrain": 0.06, "finetune": 0.27, "dpo": 0.31, "dpo-seed-2": 0.35, "dpo-seed-3": 0.36,
+              "ppo-kl-0.05": 0.45, "ppo-kl-0.05-seed-2": 0.41, "ppo-kl-0.05-seed-3": 0.4,
+              "grpo-kl-0.05": 0.5, "grpo-kl-0.05-seed-2": 0.44, "grpo-kl-0.05-seed-3": 0.47,
+              "grpo-kl-0": 0.58, "grpo-kl-0-seed-2": 0.6, "grpo-kl-0-seed-3": 0.62}
 
 
 class Scripts:
@@ -55,13 +58,14 @@ class Scripts:
         if command[0] == "evaluate.py":
             name = course.model_name(Path(command[1]))
             output.parent.mkdir(parents=True, exist_ok=True)
+            made_by = {"rollout": 32} if "kl-" in name else {"step": 100}
             output.write_text(json.dumps({
-                "model": name, "words_used": WORDS_USED[name], "valid_loss": 2.4, "ended": 0.5,
+                "model": name, "words_used": WORDS_USED[name], "valid_loss": 2.4, "ended": 0.5, "made_by": made_by,
                 "words_used_by_seed": [WORDS_USED[name]], "uses_of_a_used_word": 1.5,
                 "stories": [{"words": ["kite", "river", "brave"], "story": f"The {name} story.\n\nThe end.",
                              "words_used": 1 / 3}]}))
         elif command[0] == "docs/plots.py":
-            (course.PLOTS / "pretrain-loss.png").write_bytes(b"a plot")
+            (course.PLOTS / "course-rl.png").write_bytes(b"a plot")
         else:  # a training script saves its model along the way, before it can be interrupted
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_bytes(b"made")
@@ -108,9 +112,31 @@ def test_every_step_runs_in_order_and_the_report_has_the_table_plots_and_stories
     assert "| in all | | 0.0 |" in report
     assert "| ppo-kl-0.05 | 45% | 2.40 | 50% |" in report
     assert "| grpo-kl-0 | 58% | 2.40 | 50% |" in report
-    assert "![pretrain-loss](../img/pretrain-loss.png)" in report and "diagram" not in report
+    assert "![course-rl](../img/course-rl.png)" in report and "diagram" not in report
+    # One seed: each row is that seed's model; the video's figures beside them, as reported.
+    assert "| PPO, KL 0.05 | 1 | 32 rollouts | 45% | 2.40 | 50% |  |" in report
+    assert "| GRPO, KL 0 (36 rollouts) | 58% | 2.56 | 8% | about 44 |" in report
     assert "For the first held-out instruction: kite, river, brave." in report
     assert "**dpo** (33% of the words):\n\n> The dpo story.\n>\n> The end.\n" in report
+
+
+def test_three_seeds_train_each_dpo_ppo_and_grpo_run_three_times_and_the_report_gives_their_mean_and_range(
+        learner, monkeypatch):
+    scripts = Scripts(monkeypatch)
+    monkeypatch.setattr(course, "kl_at_the_end", lambda folder: {"ppo": 20.0, "grpo": 14.0}.get(folder.parent.name))
+    take_course(monkeypatch, "--quick", "--seeds", "3")
+    trained = [c for c in scripts.commands if c[0] in ("dpo.py", "ppo.py", "grpo.py")]
+    assert len(trained) == 12
+    # The series' seed first, as a learner's own command has it, then --seed 2 and --seed 3.
+    assert [c[-2:] for c in trained[4:]] == [["--seed", "2"]] * 4 + [["--seed", "3"]] * 4
+    assert "--seed" not in trained[0] and "--seed" not in trained[3]
+    assert ["evaluate.py", "checkpoints/grpo/kl-0-seed-3", "--valid-windows", "128"] in scripts.commands
+    report = (learner / "report" / "README.md").read_text()
+    assert "| DPO | 3 | 100 steps | 34% (31% to 36%) | 2.40 (2.40 to 2.40) | 50% (50% to 50%) |  |" in report
+    assert "| PPO, KL 0.05 | 3 | 32 rollouts | 42% (40% to 45%) | 2.40 (2.40 to 2.40) | 50% (50% to 50%) | " \
+           "20.0 (20.0 to 20.0) |" in report
+    assert "| GRPO, KL 0 | 3 | 32 rollouts | 60% (58% to 62%) |" in report
+    assert "| grpo-kl-0-seed-3 | 62% |" in report  # and each model on its own
 
 
 def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, monkeypatch, capsys):
@@ -129,7 +155,7 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     # The full course afterwards takes the quick one's models, and says so; only the plots are drawn again.
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch)
-    assert scripts.commands == [["docs/plots.py"]]
+    assert scripts.commands == [["docs/plots.py", "--course"]]
     assert ("== fine-tuning: skipped: checkpoints/finetune/model.pt exists, made by python finetune.py --minutes 1.5\n"
             in capsys.readouterr().out)
     report = (learner / "report" / "README.md").read_text()
@@ -144,7 +170,8 @@ def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(
     (learner / "checkpoints" / "dpo" / "model.pt").touch()  # DPO trained once more, by hand
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert scripts.commands == [["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"], ["docs/plots.py"]]
+    assert scripts.commands == [["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"],
+                                ["docs/plots.py", "--course"]]
 
     age_everything(learner)
     (learner / "checkpoints" / "finetune" / "model.pt").touch()  # fine-tuning trained once more
@@ -178,7 +205,7 @@ def test_without_matplotlib_the_plots_are_skipped_and_the_report_says_how_to_dra
     monkeypatch.setattr(course, "installed", lambda module: module != "matplotlib")
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert ["docs/plots.py"] not in scripts.commands
+    assert ["docs/plots.py", "--course"] not in scripts.commands
     assert "== plots: skipped: matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().out
     assert "None drawn: `pip install matplotlib`, then `python course.py` again." in (
         learner / "report" / "README.md").read_text()
@@ -189,3 +216,37 @@ def test_the_real_runner_runs_a_script_of_the_series_with_this_python(monkeypatc
     monkeypatch.setattr(subprocess, "run", lambda command, check: ran.append((command, check)))
     course.run(["train.py", "--minutes", "60"])
     assert ran == [([sys.executable, str(course.ROOT / "train.py"), "--minutes", "60"], True)]
+
+
+def logged(folder, tag, values):
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(folder) as writer:
+        for step, value in enumerate(values, start=1):
+            writer.add_scalar(tag, value, step)
+
+
+def test_the_kl_at_the_end_is_the_mean_over_the_run_s_last_five_rollouts(learner):
+    logged(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [1, 2, 3, 4, 5, 6, 7])
+    assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0") == pytest.approx(5.0)
+    assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0.05") is None  # never run
+    assert course.kl_at_the_end(course.CHECKPOINTS / "dpo") is None  # no KL logged for DPO
+
+
+def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_seeds(learner, monkeypatch):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(course.ROOT / "docs"))
+    import plots
+
+    monkeypatch.setattr(plots, "RUNS", learner / "runs")
+    monkeypatch.setattr(plots, "IMAGES", learner / "img")
+    for run in ("grpo/kl-0.05", "grpo/kl-0.05-seed-2", "grpo/kl-0", "grpo/kl-0-seed-3", "grpo/kl-0.05-lr-1e-05",
+                "ppo/kl-0.05"):
+        logged(learner / "runs" / run, "rollout/reward", [0.3, 0.4])
+    logged(learner / "runs" / "dpo-seed-2", "dpo/margin", [0.1, 0.2])
+    logged(learner / "runs" / "dpo", "dpo/margin", [0.1, 0.3])
+    assert plots.with_its_seeds("grpo/kl-0") == ["grpo/kl-0", "grpo/kl-0-seed-3"]
+    assert plots.with_its_seeds("grpo/kl-0.05") == ["grpo/kl-0.05", "grpo/kl-0.05-seed-2"]
+    monkeypatch.setattr(sys, "argv", ["plots.py", "--course"])
+    plots.main()
+    assert {p.name for p in (learner / "img").glob("course-*.png")} == {"course-dpo.png", "course-rl.png"}

@@ -8,8 +8,8 @@ import torch
 import dpo
 import finetune
 import preferences
+from checkpoints import read_checkpoint
 from data import instruction
-from model import read_checkpoint
 from tokenizer import encode_prompt
 
 

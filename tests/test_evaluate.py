@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import evaluate
+from checkpoints import load_checkpoint, read_checkpoint
 from evaluate import load_instructions, measure, model_name, words_used
-from model import load_checkpoint
 from tokenizer import load_tokenizer
 
 
@@ -44,6 +44,23 @@ def test_words_used_counts_whole_words_in_any_case(story, share):
 ])
 def test_inflection_rule(word, story, used):
     assert words_used(story, [word]) == float(used)
+
+
+def test_a_word_used_again_and_again_counts_once():
+    # The reward is the share of the asked words a story uses: each asked word once, however often.
+    assert words_used("A kite, a kite, and a kite again.", ["kite", "river", "brave"]) == pytest.approx(1 / 3)
+    assert words_used("Kites! The kite flew. Kiting.", ["kite", "river", "brave"]) == pytest.approx(1 / 3)
+
+
+# Each last consonant that doubles before -ed and -ing after a single vowel, in a word that ends so.
+@pytest.mark.parametrize("word, doubled", [
+    ("rob", "robbed"), ("nod", "nodding"), ("hug", "hugged"), ("trek", "trekked"), ("travel", "travelled"),
+    ("hum", "humming"), ("plan", "planned"), ("stop", "stopping"), ("star", "starred"), ("stir", "stirring"),
+    ("pat", "patted"),
+])
+def test_a_last_consonant_doubles_before_ed_and_ing(word, doubled):
+    assert evaluate.DOUBLES.search(word)
+    assert words_used(f"They {doubled} all day.", [word]) == 1.0
 
 
 @pytest.mark.parametrize("path, name", [
@@ -134,6 +151,8 @@ def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, ca
     assert saved["words_used_by_seed"] == pytest.approx([1 / 3, 10 / 50])
     assert saved["words_used"] == pytest.approx((1 / 3 + 10 / 50) / 2)
     assert saved["ended"] == pytest.approx(0.5) and saved["uses_of_a_used_word"] == pytest.approx(1.0)
+    # What made the model comes with its figures.
+    assert saved["made_by"] == json.loads(json.dumps(read_checkpoint(workspace / "checkpoints" / "finetune")["made_by"]))
     # The stories kept are seed 0's, each with its words and the share it uses.
     instructions = load_instructions()  # the committed set
     assert [s["words"] for s in saved["stories"]] == [i["words"] for i in instructions]

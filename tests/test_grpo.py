@@ -9,14 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from test_ppo import first_minibatches, recording_the_update, rewards_printed
 
 import evaluate
 import grpo
+import ppo
+from checkpoints import read_checkpoint
 from data import instruction
-from model import read_checkpoint
-from test_ppo import first_minibatches, recording_the_update, rewards_printed
 from tokenizer import encode_prompt
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -71,18 +73,68 @@ def test_loss_is_deepseekmath_equation_3():
     assert loss.item() == pytest.approx(equation_3(new, old, ref, advantages, lengths, kl=0.05), rel=1e-5)
 
 
-def test_with_kl_weight_0_the_reference_does_not_change_the_gradient():
+def kl_gradient(ref, kl):
+    """The gradient of the loss on one minibatch against new, for a given reference."""
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(3, 4, generator=g)
-    mask = torch.ones(3, 4)
-    advantages = torch.tensor([1.0, -1.0, 0.5])
-    grads = []
-    for ref in (old, old + torch.randn(3, 4, generator=g)):
-        new = (old + 0.1 * torch.randn(3, 4, generator=torch.Generator().manual_seed(2))).requires_grad_()
-        loss, _ = grpo.grpo_loss(new, old, ref, advantages, mask, kl=0.0)
-        loss.backward()
-        grads.append(new.grad)
-    assert torch.equal(grads[0], grads[1])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    new = (old + 0.1 * torch.randn(3, 4, generator=torch.Generator().manual_seed(2))).requires_grad_()
+    loss, _ = grpo.grpo_loss(new, old, ref(old), torch.tensor([1.0, -1.0, 0.5]), mask, kl)
+    loss.backward()
+    return new.grad
+
+
+def test_with_kl_weight_0_the_reference_does_not_change_the_gradient():
+    further = lambda old: old + torch.randn(3, 4, generator=torch.Generator().manual_seed(3))  # noqa: E731
+    assert torch.equal(kl_gradient(lambda old: old, 0.0), kl_gradient(further, 0.0))
+    # With a weight, it does: the penalty pulls each token toward the reference.
+    assert not torch.allclose(kl_gradient(lambda old: old, 0.05), kl_gradient(further, 0.05))
+
+
+def test_the_penalty_s_gradient_is_that_of_the_k3_estimate():
+    # With no advantages the objective is the penalty alone: kl (e^r - r - 1), r = log p_ref - log p,
+    # whose gradient in log p is kl (1 - e^r), for each token, over its story's length and the stories.
+    def ref(old):
+        return old + torch.randn(3, 4, generator=torch.Generator().manual_seed(3)) * 0.5
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(3, 4, generator=g)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    new = (old + 0.1 * torch.randn(3, 4, generator=torch.Generator().manual_seed(2))).requires_grad_()
+    loss, _ = grpo.grpo_loss(new, old, ref(old), torch.zeros(3), mask, kl=0.05)
+    loss.backward()
+    r = ref(old) - new.detach()
+    expected = 0.05 * (1 - torch.exp(r)) * mask / mask.sum(dim=1, keepdim=True) / 3
+    torch.testing.assert_close(new.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_rollout_cuts_each_story_at_its_first_end_of_text_and_packs_its_tokens_alone(small_tokenizer,
+                                                                                      monkeypatch):
+    eot = small_tokenizer.eot
+    words = ["kite", "river", "brave"]
+    asks = [(encode_prompt(small_tokenizer, f"Story {i}."), words) for i in range(grpo.PROMPTS)]
+    kite = small_tokenizer.encode(" a kite")
+
+    def writes_stories_that_end_at_different_steps(policy, prompts, max_new_tokens, **options):
+        # Row r of group g writes r + g % 3 tokens of a kite, then ends; the rows that ended
+        # write end-of-text after, as the batch writes on, as generate pads them.
+        outs = []
+        for g, group in enumerate(prompts):
+            rows = [(kite * 10)[:r + g % 3] + [eot] for r in range(len(group))]
+            width = max(map(len, rows)) + 3
+            written = torch.tensor([row + [eot] * (width - len(row)) for row in rows])
+            outs.append(torch.cat([group, written], dim=1))
+        return outs
+    monkeypatch.setattr(grpo, "generate", writes_stories_that_end_at_different_steps)
+    policy = torch.nn.Linear(1, 1)  # on the CPU: the rollout reads its device from it
+    prompts, stories, rewards = grpo.rollout(policy, small_tokenizer, asks, np.random.default_rng(0), seed=0)
+    assert len(stories) == grpo.PROMPTS * grpo.GROUP
+    lengths = {len(story) for story in stories}
+    assert len(lengths) > 3  # the stories end at several steps
+    for story, reward in zip(stories, rewards):
+        assert story[-1] == eot and eot not in story[:-1]  # its first end-of-text, kept, and nothing after
+        assert reward == evaluate.words_used(small_tokenizer.decode(story), words)
+    _, _, mask = ppo.pack(prompts, stories, eot, "cpu")
+    assert mask.sum(dim=1).tolist() == [len(story) for story in stories]
 
 
 def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_main, quick, capsys, monkeypatch):
@@ -99,6 +151,11 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-lr-0.003"
     assert {p.name for p in folder.iterdir()} == {"rollout-0.pt", "rollout-10.pt", "rollout-12.pt", "model.pt"}
     assert read_checkpoint(folder)["made_by"]["rollout"] == 12
+    settings = read_checkpoint(folder)["made_by"]["settings"]
+    assert settings["lr"] == 3e-3 and settings["kl"] == 0.05 and settings["script"] == "grpo.py"
+    # The constants it ran with, its own and those it takes from PPO and rl.py, as they are.
+    assert (settings["group"], settings["prompts"], settings["clip"], settings["epochs"], settings["eval_every"]) == (
+        grpo.GROUP, grpo.PROMPTS, grpo.CLIP, grpo.EPOCHS, grpo.EVAL_EVERY)
     assert any((workspace / "runs" / "grpo" / "kl-0.05-lr-0.003").glob("events.out.tfevents.*"))
     assert evaluate.model_name(folder) == "grpo-kl-0.05-lr-0.003"
     assert evaluate.model_name(workspace / "checkpoints" / "grpo" / "kl-0.05") == "grpo-kl-0.05"
@@ -190,6 +247,7 @@ if os.environ.get("SLOW_SAVES"):
 
     torch.save = slow_save
 import grpo
+import ppo
 sys.argv = ["grpo.py", *sys.argv[1:]]
 grpo.main()
 """

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 import finetune
-import model as gpt
 import ppo
 import rl
-from model import GPT, TINY, Config, autocast, read_checkpoint
+import sample
+from checkpoints import read_checkpoint
+from devices import autocast
+from model import GPT, TINY, Config
 
 
 def tiny_policy(vocab_size=50, seed=0):
@@ -44,18 +46,18 @@ def test_token_logprobs_equal_a_hand_computation():
 def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):
     """Writes after groups of prompts in one batch, as the rollouts do, and records the
     log-probability of each drawn token under the distribution it was drawn from: the batched
-    logits model.next_token is given at each step. Returns the stories, cut after their stop,
+    logits sample.next_token is given at each step. Returns the stories, cut after their stop,
     each with its recorded log-probabilities, and how many rows each step had."""
-    real, steps = gpt.next_token, []
+    real, steps = sample.next_token, []
 
     def recording(logits, temperature, top_k, generator):
         token = real(logits, temperature, top_k, generator)
-        drawn = torch.log_softmax(gpt.sampling_logits(logits, temperature, top_k), -1)
+        drawn = torch.log_softmax(sample.sampling_logits(logits, temperature, top_k), -1)
         steps.append((token.tolist(), drawn.gather(-1, token[:, None]).squeeze(1).tolist()))
         return token
 
-    monkeypatch.setattr(gpt, "next_token", recording)
-    outs = model.generate(groups, max_new_tokens, stop=stop, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(sample, "next_token", recording)
+    outs = sample.generate(model, groups, max_new_tokens, stop=stop, generator=torch.Generator().manual_seed(0))
     written = [row[group.size(1):] for group, out in zip(groups, outs) for row in out.tolist()]
     # A step's rows are those still in the batch, in order: rows leave only once they have ended.
     batch, ended, found = list(range(len(written))), set(), [[] for _ in written]

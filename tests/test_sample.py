@@ -1,8 +1,11 @@
 import pytest
+import torch
 
 import sample
 from conftest import always_writes
-from sample import cut_at_end, write, write_stories
+from devices import autocast
+from sample import KVCache, cut_at_end, generate, write, write_stories
+from test_model import generate_by_recomputing, tiny_model
 from tokenizer import encode_prompt
 
 
@@ -56,3 +59,183 @@ def test_an_empty_prompt_is_written_after_as_given(run_main, monkeypatch):
     run_main(sample, "--prompt", "")
     run_main(sample, "--model", "checkpoints/finetune")
     assert prompts == ["", "Once upon a time"]
+
+
+def test_greedy_generation_with_the_cache_equals_recomputing_the_prefix():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        slow = generate_by_recomputing(model, prompt, 40)
+    fast = generate(model, prompt, 40, temperature=0)
+    assert torch.equal(fast, slow)
+
+
+def test_a_repeated_prompt_runs_once_and_gives_what_separate_prompts_give():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    one = generate(model, prompt, 30, temperature=0)
+    group = generate(model, prompt.repeat(8, 1), 30, temperature=0)
+    assert torch.equal(group, one.repeat(8, 1))
+    calls = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    generate(model, prompt.repeat(8, 1), 3)
+    assert calls == [1, 8, 8]  # the prompt with one row, then each new token with all eight
+
+
+def test_a_batch_of_one_prompt_with_one_seed_is_reproducible():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (1, 5)).repeat(8, 1)
+    first = generate(model, prompt, 30, generator=torch.Generator().manual_seed(7))
+    again = generate(model, prompt, 30, generator=torch.Generator().manual_seed(7))
+    other = generate(model, prompt, 30, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert len({tuple(row) for row in first[:, 5:].tolist()}) > 1  # the stories of a group differ
+
+
+def test_sampling_follows_the_model_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1e9]]).repeat(20000, 1)
+    tokens = sample.next_token(logits, 1.0, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert torch.allclose(shares, torch.softmax(logits[0], -1), atol=0.015)
+    top2 = sample.next_token(logits, 1.0, 2, torch.Generator().manual_seed(0))
+    assert set(top2.tolist()) == {1, 2}
+    cooler = sample.next_token(logits, 0.5, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(cooler, minlength=4).float() / len(cooler)
+    assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
+
+
+def test_sampling_over_blocks_of_tokens_follows_the_model_distribution():
+    # next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
+    # vocabulary of several blocks and a padded last one, its probability spread over all of them.
+    vocab = 3 * sample.BLOCK + 10
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 1.5
+    tokens = sample.next_token(logits.repeat(40000, 1), 1.0, None, torch.Generator().manual_seed(0))
+    shares = torch.bincount(tokens, minlength=vocab).float() / len(tokens)
+    expected = torch.softmax(logits[0], -1)
+    assert len(shares) == vocab  # no token past the vocabulary
+    assert (shares - expected).abs().max() < 0.006 and (shares - expected).abs().sum() / 2 < 0.04
+
+
+def test_fast_generation_stops_at_the_stop_token_and_pads_with_it():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (16, 6), generator=torch.Generator().manual_seed(3))
+    free = generate(model, prompt, 30, temperature=0)
+    written = free[:, 6:].tolist()
+
+    def first_stop_of_the_first_row():
+        # A token the first row writes early, while too few rows have written it for the first
+        # row to leave the batch at once (rows leave once a quarter have ended): so it writes
+        # on, and what it writes after its stop must be the stop again, where written on
+        # freely it would write other tokens.
+        for at in range(2, 12):
+            stop = written[0][at]
+            if (stop not in written[0][:at] and any(t != stop for t in written[0][at + 1:])
+                    and sum(stop in row[:at + 1] for row in written) * 4 < len(written)):
+                return at, stop
+    at, stop = first_stop_of_the_first_row()
+    stopped = generate(model, prompt, 30, temperature=0, stop=stop)
+    first_row = stopped[0, 6:].tolist()
+    assert first_row.index(stop) == at and all(t == stop for t in first_row[at:])
+    assert torch.equal(stopped[0, :6 + at + 1], free[0, :6 + at + 1])
+
+
+def test_fast_writing_ends_early_once_every_row_has_stopped():
+    model = tiny_model()
+    always_writes(model, 5)
+    out = generate(model, torch.randint(0, 97, (4, 6)), 30, stop=5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (4, 7) and torch.all(out[:, 6] == 5)
+
+
+def test_cache_refuses_several_tokens_after_the_prompt():
+    model = tiny_model()
+    cache = KVCache(model.config, 20)
+    model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(AssertionError):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+def rollout_in_small():
+    """Groups that repeat one prompt, of three lengths, and a group of two different prompts."""
+    g = torch.Generator().manual_seed(4)
+    groups = [torch.randint(0, 97, (1, n), generator=g).repeat(copies, 1) for n, copies in ((5, 4), (9, 3), (2, 4))]
+    return groups + [torch.randint(0, 97, (2, 6), generator=g)]
+
+
+def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_alone():
+    model = tiny_model()
+    groups = rollout_in_small()
+    together = generate(model, groups, 30, temperature=0)
+    for group, out in zip(groups, together):
+        assert torch.equal(out, generate(model, group, 30, temperature=0))
+        with torch.no_grad():
+            assert torch.equal(out, generate_by_recomputing(model, group, 30))
+
+
+# In bf16 too, the scripts' precision where it is faster, and its cache's: a row's logits are its
+# logits alone, whichever rows share its batch, to bf16's rounding (which a CPU's kernels may
+# round differently for another number of rows, so the same greedy tokens are not asked for).
+def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits_alone():
+    model = tiny_model()
+    groups = rollout_in_small()
+    tokens = torch.randint(0, 97, (4, sum(map(len, groups))), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), autocast("cpu", "bf16"):
+        logits, cache = sample.prefill(model, groups, 4)
+        alone = [sample.prefill(model, [group], 4) for group in groups]
+        for step in range(4):
+            expected = torch.cat([group_logits for group_logits, _ in alone])
+            assert cache.keys.dtype == torch.bfloat16
+            torch.testing.assert_close(logits.float(), expected.float(), rtol=0.02, atol=0.05)
+            # The same next token for a row in the batch and alone, at each row's own position.
+            logits = model(tokens[step][:, None], cache=cache)[0][:, -1]
+            rows = tokens[step].split([len(group) for group in groups])
+            alone = [(model(row[:, None], cache=group_cache)[0][:, -1], group_cache)
+                     for row, (_, group_cache) in zip(rows, alone)]
+
+
+def stopped_by_recomputing(model, prompt, new_tokens, stop):
+    """Greedy writing the slow way, each row on its own: after a row writes stop, only stop."""
+    with torch.no_grad():
+        out = generate_by_recomputing(model, prompt, new_tokens)
+    for row in out[:, prompt.size(1):]:
+        ends = (row == stop).nonzero()
+        if len(ends):
+            row[int(ends[0]) + 1:] = stop
+    return out
+
+
+def test_rows_that_end_leave_the_batch_and_the_others_write_on_unchanged():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    # As in a rollout: groups that repeat one prompt (GRPO's), groups of different prompts of one
+    # length (PPO's), and single prompts, of several lengths.
+    groups = [torch.randint(0, 97, (1, 3), generator=g).repeat(3, 1), torch.randint(0, 97, (4, 7), generator=g),
+              torch.randint(0, 97, (1, 4), generator=g), torch.randint(0, 97, (3, 5), generator=g),
+              torch.randint(0, 97, (1, 6), generator=g).repeat(2, 1)]
+    free = generate(model, groups, 20, temperature=0)
+    stop = free[0][0, 3 + 2].item()  # the third token the first group writes: it ends early
+    stopped = generate(model, groups, 20, temperature=0, stop=stop)
+    ended_at = []
+    for group, out in zip(groups, stopped):
+        # Each group as it writes alone, and each row as the whole prefix again for every token gives it.
+        alone = generate(model, group, 20, temperature=0, stop=stop)  # ends once its own rows have
+        assert torch.equal(out[:, :alone.size(1)], alone) and torch.all(out[:, alone.size(1):] == stop)
+        assert torch.equal(out, stopped_by_recomputing(model, group, out.size(1) - group.size(1), stop))
+        ended_at += [row.tolist().index(stop) if stop in row else None for row in out[:, group.size(1):]]
+    assert None in ended_at and len({at for at in ended_at if at is not None}) > 1  # rows ended at several steps
+    calls = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    generate(model, groups, 20, temperature=0, stop=stop)
+    rows = sum(len(group) for group in groups)
+    assert min(calls[len(groups):]) < rows  # rows that ended stopped costing a step
+
+
+def test_stories_of_a_group_written_with_others_follow_the_model_distribution():
+    model = tiny_model(vocab_size=5)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = torch.softmax(model(prompt)[0][0, -1], -1)
+    groups = [torch.tensor([[4]]).repeat(100, 1), prompt.repeat(4000, 1), torch.tensor([[0, 1, 2, 3, 4]]).repeat(100, 1)]
+    out = generate(model, groups, 1, generator=torch.Generator().manual_seed(0))
+    shares = torch.bincount(out[1][:, -1], minlength=5).float() / 4000
+    assert torch.allclose(shares, expected, atol=0.025)

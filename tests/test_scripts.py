@@ -13,7 +13,7 @@ import torch
 import dpo
 import finetune
 import train
-from model import read_checkpoint
+from checkpoints import read_checkpoint
 
 
 @pytest.fixture
@@ -72,6 +72,9 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     made_by = read_checkpoint(learner / "checkpoints" / "finetune")["made_by"]
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
     assert made_by["settings"]["lr"] == finetune.LR and made_by["settings"]["plain_share"] == finetune.PLAIN_SHARE
+    # Every constant the run used is in its settings, as it was: none typed out by hand to forget.
+    for constant in ("EVAL_EVERY", "HELD_BACK", "ALIGN", "TUNE_POOL", "STEPS", "WORDS", "CONTEXT", "SEED"):
+        assert made_by["settings"][constant.lower()] == getattr(finetune, constant)
     kept = sorted(path.name for path in (learner / "checkpoints" / "finetune").glob("step-*.pt"))
     assert kept == ["step-1.pt", "step-2.pt"]
     assert read_checkpoint(learner / "checkpoints" / "finetune" / "step-1.pt")["made_by"]["step"] == 1

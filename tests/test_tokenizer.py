@@ -1,5 +1,6 @@
 import json
 import random
+from collections import Counter
 
 import pytest
 
@@ -77,6 +78,47 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
     path.write_text(path.read_text()[:100])
     with pytest.raises(SystemExit, match="not a tokenizer file"):
         bpe.Tokenizer.load(path)
+
+
+def test_a_chunk_takes_its_merges_in_the_order_training_learned_them():
+    # b+c was learned first (token 256), then a+b (257): "abc" is a, then bc; taking the
+    # leftmost known pair first would make ab, then c.
+    tokenizer = bpe.Tokenizer([(ord("b"), ord("c")), (ord("a"), ord("b"))])
+    assert tokenizer.encode_chunk(b"abc") == [ord("a"), 256]
+    # And a merge of merges: ab (256), then ab+c (257), but bc (258) comes too late for "abc".
+    tokenizer = bpe.Tokenizer([(ord("a"), ord("b")), (256, ord("c")), (ord("b"), ord("c"))])
+    assert tokenizer.encode_chunk(b"abcbc") == [257, 258]
+
+
+def naive_training(texts, vocab_size):
+    """BPE the slow way: at each merge, every pair of neighbours counted again from scratch,
+    the most frequent merged (the smallest pair among ties, as the heap breaks them)."""
+    words = Counter()
+    for text in texts:
+        words.update(tuple(chunk.encode("utf-8")) for chunk in bpe.CHUNK.findall(text))
+    merges = []
+    while len(merges) < vocab_size - 257:
+        counts = Counter()
+        for word, weight in words.items():
+            for pair in zip(word, word[1:]):
+                counts[pair] += weight
+        if not counts:
+            break
+        most = max(counts.values())
+        pair = min(p for p, count in counts.items() if count == most)
+        merges.append(pair)
+        words = Counter({tuple(bpe.merge(list(word), pair, 255 + len(merges))): weight
+                         for word, weight in words.items()})
+    return merges
+
+
+def test_training_learns_the_merges_of_a_naive_bpe_that_recounts_every_pair():
+    rng = random.Random(0)
+    # Varied text, so that merges take pairs from each other and counts fall as well as rise.
+    texts = [" ".join(rng.choice(["banana", "bandana", "cabana", "nab", "ban", "anna", "ab", "aba"])
+                      for _ in range(rng.randrange(3, 12))) for _ in range(200)]
+    assert bpe.train(texts, vocab_size=330, progress=False).merges == naive_training(texts, vocab_size=330)
+    assert bpe.train(STORIES, vocab_size=400, progress=False).merges == naive_training(STORIES, vocab_size=400)
 
 
 def test_training_is_deterministic():

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sample
 import train
 from model import GPT, TINY, Config
+from tokenizer import encode_prompt
 from test_ppo import tiny_policy
 
 
@@ -67,11 +67,12 @@ def test_missing_token_file_names_the_command(tmp_path):
         train.load_tokens("train", tmp_path)
 
 
-def test_the_demo_story_is_what_episode_4_s_write_gives_and_leaves_training_on(small_tokenizer):
-    # Pretraining logs its story with the model's own generate, so it needs no later episode; it
-    # is the story sample.write gives for the same prompt and seed, written with dropout off.
+def test_the_demo_story_is_the_model_s_own_generate_with_dropout_off_and_leaves_training_on(small_tokenizer):
+    # Pretraining logs its story with the model's own generate, so it needs no later episode.
     model = tiny_policy(vocab_size=small_tokenizer.vocab_size).train()
     story = train.demo_story(model, small_tokenizer, "Once upon a time", seed=3, max_new_tokens=40)
     assert model.training
-    assert story == sample.write(model, small_tokenizer, "Once upon a time", max_new_tokens=40, seed=3)
+    prompt = torch.tensor([encode_prompt(small_tokenizer, "Once upon a time")])
+    written = model.eval().generate(prompt, 40, stop=small_tokenizer.eot, generator=torch.Generator().manual_seed(3))
+    assert story == small_tokenizer.decode(written[0, prompt.size(1):].tolist())
     assert story != train.demo_story(model, small_tokenizer, "Once upon a time", seed=4, max_new_tokens=40)

@@ -1,0 +1,103 @@
+"""
+What a run keeps: the folders it writes to (checkpoints/ and runs/), the settings it ran
+with, and its checkpoints, saved whole or not at all and loaded safely. Plumbing that every
+training script imports; a learner may skip it.
+"""
+from dataclasses import asdict
+from pathlib import Path
+from textwrap import shorten
+
+import torch
+
+from files import atomic
+from model import GPT, Config
+
+CHECKPOINTS = Path("checkpoints")
+RUNS = Path("runs")
+# The command that makes each folder of checkpoints, for the error when one is missing.
+MADE_BY = {"pretrain": "python train.py", "finetune": "python finetune.py", "dpo": "python dpo.py",
+           "ppo": "python ppo.py", "grpo": "python grpo.py"}
+SETTING = (bool, int, float, str)  # the kinds of constant a run's settings record
+
+
+def run_settings(args, constants, **more):
+    """The settings a run prints, logs and saves with its checkpoints, from one source: the
+    script's constants (its module's upper-case names that hold a number, a string, or a tuple
+    of those: its own and those it imports), then its options, then `more`; lower-cased, so
+    BATCH is batch. An option overrides the constant of its name (--lr over LR)."""
+    recorded = {name.lower(): value for name, value in constants.items()
+                if name.isupper() and (isinstance(value, SETTING) or
+                                       (isinstance(value, tuple) and all(isinstance(v, SETTING) for v in value)))}
+    return {**recorded, **vars(args), **more}
+
+
+def checkpoint_file(path):
+    """A folder means the final model in it, model.pt; a file is itself."""
+    path = Path(path)
+    return path if path.suffix == ".pt" else path / "model.pt"
+
+
+def save_checkpoint(path, model, tokenizer, made_by, optimizer=None, **state):
+    """Weights, config, the tokenizer they were trained with, and what made them
+    (script, step, settings), written to a temporary file and then renamed. An optimizer's
+    state and any further `state` (an RL run's critic, its random state) are for resuming."""
+    checkpoint = {"model": model.state_dict(), "config": asdict(model.config),
+                  "tokenizer": tokenizer.fingerprint(), "made_by": made_by, **state}
+    if optimizer is not None:
+        checkpoint["optimizer"] = optimizer.state_dict()
+    # Through a file of ours: torch then lets a full disk's OSError through, which atomic() words.
+    with atomic(checkpoint_file(path)) as tmp, open(tmp, "wb") as file:
+        torch.save(checkpoint, file)
+
+
+def read_checkpoint(path):
+    """The checkpoint's contents, loaded with weights_only=True: tensors and plain values,
+    never code. Missing, damaged or foreign files stop with one line."""
+    file = checkpoint_file(path)
+    command = made_with(file)
+    if not file.exists():
+        raise SystemExit(f"no checkpoint at {file}: make it with {command}")
+    try:
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several kinds for a damaged or unsafe file
+        raise SystemExit(f"{file} is not a checkpoint that loads safely ({type(error).__name__}); "
+                         f"make it again with {command}")
+    if not isinstance(checkpoint, dict) or not {"model", "config", "tokenizer", "made_by"} <= checkpoint.keys():
+        raise SystemExit(f"{file} is not a checkpoint of this series; make it again with {command}")
+    return checkpoint
+
+
+def made_with(file):
+    """The command that makes a checkpoint, for the errors that name it."""
+    # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is grpo.py's.
+    folders = file.parts[:-1]
+    script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else None
+    return MADE_BY.get(script_folder, "the script that writes it")
+
+
+def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
+    """The model in a checkpoint, on `device`; with a tokenizer, refuses a model trained with
+    another one (its tokens would mean other things), and any model whose context is not the
+    series' (pretraining's windows, fine-tuning's examples and evaluation all take 256 tokens)."""
+    checkpoint = read_checkpoint(path)
+    file = checkpoint_file(path)
+    if tokenizer is not None and checkpoint["tokenizer"] != tokenizer.fingerprint():
+        raise SystemExit(f"{file} was trained with another tokenizer than data/tokenizer.json; "
+                         "train it again, or prepare the data it was trained on")
+    try:
+        model = GPT(Config(**checkpoint["config"]))
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, RuntimeError) as error:
+        lines = str(error).strip().splitlines()
+        reason = lines[1] if len(lines) > 1 else lines[0]  # the first line only names the class
+        # One short line: a list of missing weights runs to kilobytes.
+        raise SystemExit(f"{file} does not match the model it describes ({shorten(reason, 150, placeholder=' ...')}); "
+                         f"make it again with {made_with(file)}")
+    if model.config.context != Config.context:
+        raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
+                         f"{Config.context}; make it again with {made_with(file)}")
+    if not quiet:
+        made_by = checkpoint["made_by"]
+        when = f"rollout {made_by['rollout']}" if "rollout" in made_by else f"step {made_by.get('step', '?')}"
+        print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} ({made_by.get('script', '?')}, {when})")
+    return model.to(device)
