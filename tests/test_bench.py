@@ -94,3 +94,16 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(run_
     assert re.search(r"^\| whole rollout \| [\d.]+ \| 100% \| \d+% \|$", out, re.MULTILINE)
     assert re.search(r"group by group \(16 calls of 8\): [\d.]+ times faster", out)
     assert re.search(r"writing in bf16 .*: [\d,]+ generated tokens per second", out)
+
+
+def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_operators(run_main, monkeypatch, capsys):
+    from bench import decode
+    from bench import train as train_bench
+
+    monkeypatch.setattr(decode, "matmul_peak", lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256,
+                                                                                              repeats=2))
+    run_main(decode, "--positions", "22", "--steps", "2", "--device", "cpu", "--precision", "fp32")
+    out = capsys.readouterr().out
+    assert re.search(r"a step of 128 rows at 22 cached positions: [\d.]+ ms, [\d,]+ tokens per second, \d+% of "
+                     r"the matrix peak", out)
+    assert "aten::addmm" in out  # the matrix products, among the operators listed

@@ -1,0 +1,131 @@
+"""
+Benchmark: where a step of a rollout's writing goes. 128 stories (16 prompts of 20 tokens,
+each written for 8 times, as in GRPO) are written with sample.generate up to --positions
+positions, then --steps more single-token steps are timed and profiled: the seconds of a
+step, its share of the machine's matrix-product peak, and torch's profiler's operators,
+the most expensive first (the matrix products, the attention over the cache, the copies
+and the small operators between them). The series-size model with random weights: a step
+costs the same whatever the weights say.
+
+With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
+dynamic, as the cache grows by a position at each step) beside it, and one update
+minibatch of 16 stories of 224 positions, eager and compiled, each with its compile time.
+
+    python bench/decode.py                 (about a minute on a 2-core CPU)
+    python bench/decode.py --compile       (several minutes more: torch.compile on a CPU is slow to compile)
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import timed  # noqa: E402
+from bench.train import DTYPES, matmul_peak  # noqa: E402
+from devices import autocast, default_precision, machine, pick_device  # noqa: E402
+from kernels import log_softmax_at  # noqa: E402
+from model import GPT, Config  # noqa: E402
+from sample import next_token, prefill  # noqa: E402
+from train import optimizer_step  # noqa: E402
+
+ROWS, PROMPT, GROUP = 128, 20, 8  # a GRPO rollout's stories, its prompts' length, a group
+
+
+def step_flops(model, positions):
+    """A single-token step's work for ROWS rows: the matrix products (two FLOPs a weight) and the
+    attention over the cached positions (queries with keys, weights with values)."""
+    c = model.config
+    matrices = model.parameter_count() - c.context * c.n_embd  # all but the position lookup
+    return ROWS * (2 * matrices + 4 * c.n_layer * c.n_embd * positions)
+
+
+def writing_steps(model, device, positions, steps):
+    """The cache filled to `positions`, then `steps` single-token steps: their seconds each."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    groups = [torch.randint(0, model.config.vocab_size, (1, PROMPT), device=device).repeat(GROUP, 1)
+              for _ in range(ROWS // GROUP)]
+    logits, cache = prefill(model, groups, positions + steps)
+    token = next_token(logits, 1.0, None, generator)
+
+    def one_step():
+        nonlocal logits, token
+        logits = model(token[:, None], cache=cache)[0][:, -1]
+        token = next_token(logits, 1.0, None, generator)
+
+    for _ in range(positions - PROMPT):
+        one_step()
+    seconds = [timed(device, one_step)[1] for _ in range(steps)]
+    return seconds, one_step
+
+
+def update_minibatch(model, optimizer, device, precision):
+    """One update on 16 stories of 224 positions, as grpo.py's minibatches: its seconds."""
+    x = torch.randint(0, model.config.vocab_size, (16, 224), device=device)
+
+    def update():
+        with autocast(device, precision):
+            logits, _ = model(x)
+        optimizer_step(model, optimizer, -log_softmax_at(logits, x).mean(), 1e-12)
+    return timed(device, update)[1]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--positions", type=int, default=120, help="cached positions when timing starts")
+    parser.add_argument("--steps", type=int, default=10, help="single-token steps timed and profiled")
+    parser.add_argument("--compile", action="store_true", help="torch.compile beside eager (slow to compile)")
+    parser.add_argument("--device")
+    parser.add_argument("--precision", choices=list(DTYPES), help="default: the scripts' for the device")
+    parser.add_argument("--rows", type=int, default=25, help="operators to list")
+    args = parser.parse_args()
+    if not PROMPT < args.positions <= Config.context - args.steps or args.steps < 1:
+        parser.error(f"--positions between {PROMPT + 1} and the context less --steps, --steps at least 1")
+    device = pick_device(args.device)
+    precision = args.precision or default_precision(device)
+    torch.manual_seed(0)
+    model = GPT(Config()).to(device).eval()
+    peak = matmul_peak(device, DTYPES[precision])
+    print(f"machine: {machine()}; device: {device}; {precision}; the matrix-product peak measured at "
+          f"{peak / 1e12:.3f} TFLOP/s")
+
+    with torch.no_grad(), autocast(device, precision):
+        seconds, one_step = writing_steps(model, device, args.positions, args.steps)
+        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+            for _ in range(args.steps):
+                one_step()
+    step = statistics.median(seconds)
+    flops = step_flops(model, args.positions)
+    print(f"a step of {ROWS} rows at {args.positions} cached positions: {step * 1000:.1f} ms, "
+          f"{ROWS / step:,.0f} tokens per second, {flops / step / peak:.0%} of the matrix peak "
+          f"({flops / 1e9:.2f} GFLOP a step)")
+    print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if not args.compile:
+        return
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12, weight_decay=0.0)
+
+    def workload(m):
+        """The same work eager or compiled: four update minibatches, then the writing's steps."""
+        started = time.perf_counter()
+        updates = [update_minibatch(m, optimizer, device, precision) for _ in range(4)]
+        with torch.no_grad(), autocast(device, precision):
+            steps, _ = writing_steps(m, device, args.positions, args.steps)
+        return time.perf_counter() - started, updates, steps
+
+    eager = workload(model)
+    compiled = workload(torch.compile(model, dynamic=True))
+    print("| part | eager | compiled |")
+    print("| --- | --- | --- |")
+    print(f"| a step of the writing | {statistics.median(eager[2]) * 1000:.1f} ms | "
+          f"{statistics.median(compiled[2]) * 1000:.1f} ms |")
+    print(f"| an update minibatch (16 x 224), median of the last 3 | {statistics.median(eager[1][1:]):.2f} s | "
+          f"{statistics.median(compiled[1][1:]):.2f} s |")
+    print(f"| all of it, compiling included | {eager[0]:.0f} s | {compiled[0]:.0f} s |")
+
+if __name__ == "__main__":
+    main()
