@@ -5,13 +5,15 @@ scored, their old and reference log-probabilities, and the update (2 passes in m
 of 16): the seconds of each part, the median of --repeats rollouts, each with new
 instructions, and each part's share of the machine's matrix-product peak, measured in the
 same run. As in grpo.py, everything runs in one precision, bf16 where the device multiplies
-faster (model.default_precision), --precision to choose.
+faster (devices.default_precision), --precision to choose.
 
 In the same run: the episode's literal writing, one call of 8 stories for each of the 16
 instructions, beside grpo.py's one batched pass over all 128, the same instructions and the
 same number of stories, so the ratio holds on any machine; and the batched pass again in the
-other precision, to see what bf16 buys. Also: how far bf16 matrix products move the
-log-probabilities the ratio and the KL are made of, against fp32, on the rollout's own stories.
+other precision, to see what bf16 buys, and how far bf16 matrix products move the
+log-probabilities the ratio and the KL are made of, against fp32, on the rollout's own stories;
+both only where bf16 is the machine's faster precision (or asked for with --precision bf16):
+elsewhere bf16 runs many times slower, and the bench says so instead.
 
     python bench/rollout.py                       (about 4 minutes on a 2-core CPU)
     python bench/rollout.py --precision fp32 --repeats 1
@@ -46,9 +48,9 @@ def write_group_by_group(policy, tokenizer, prompts, seed):
         generate(policy, prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
 
 
-def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision):
-    """One rollout of grpo.py, part by part; the same instructions written group by group, and
-    written again in the other precision."""
+def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions):
+    """One rollout of grpo.py, part by part; the same instructions written group by group, and,
+    with both_precisions, written again in the other precision."""
     def write(precision):
         with autocast(device, precision):
             return rollout(policy, tokenizer, asks, np.random.default_rng(seed), seed)
@@ -60,7 +62,9 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     with autocast(device, precision):
         _, by_group = timed(device, lambda: write_group_by_group(policy, tokenizer, groups, seed))
     other = "fp32" if precision == "bf16" else "bf16"
-    (_, other_stories, _), other_writing = timed(device, lambda: write(other))
+    other_stories, other_writing = [], 0.0
+    if both_precisions:
+        (_, other_stories, _), other_writing = timed(device, lambda: write(other))
 
     x, y, mask = pack(prompts, stories, tokenizer.eot, device)
     advantages, _ = group_advantages(torch.tensor(rewards, device=device))
@@ -111,6 +115,9 @@ def main():
         parser.error("--repeats must be at least 1")
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
+    # bf16 beside fp32 where the machine writes bf16 faster (or it is asked for): on a CPU without
+    # fast bf16 products (many laptops), it runs many times slower, and the comparison would take long.
+    both_precisions = precision == "bf16" or default_precision(device) == "bf16"
     tokenizer = load_tokenizer()
     policy = load_checkpoint(args.model, device, tokenizer).eval()
     reference = load_checkpoint(args.model, device, tokenizer, quiet=True).eval().requires_grad_(False)
@@ -119,7 +126,7 @@ def main():
     asks = [ask for length in sorted(by_length) for ask in by_length[length]]
     print(f"machine: {machine()}; device: {device}; writing and update in {precision}")
 
-    runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision)
+    runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
@@ -139,12 +146,15 @@ def main():
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")
-    other = "fp32" if precision == "bf16" else "bf16"
-    print(f"writing in {other} (the same instructions and draws; its stories differ a little): "
-          f"{median['other_tokens'] / median['other_writing']:,.0f} generated tokens per second")
     print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
           f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens)")
     print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
+    if not both_precisions:
+        print("\nbf16 not measured: this machine multiplies bf16 matrices slower than fp32 (devices.default_precision)")
+        return
+    other = "fp32" if precision == "bf16" else "bf16"
+    print(f"writing in {other} (the same instructions and draws; its stories differ a little): "
+          f"{median['other_tokens'] / median['other_writing']:,.0f} generated tokens per second")
     drift = precision_drift(policy, tokenizer, asks, device)
     print(f"\nbf16 against fp32, same weights: {drift['mean_abs_per_token']:.4f} nats per token on average, "
           f"ratios {drift['ratio_spread']:.2%} off 1 on average, KL {drift['kl_per_story']:.4f} per story")
