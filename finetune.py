@@ -1,63 +1,60 @@
 """
-Episode 3, instructions: the pretrained model learns to write a story for an instruction.
+Episode 3, instructions: the pretrained model learns to write a story for an instruction,
+and to use the words the instruction asks for.
 
 Each example is a prompt (an end-of-text, then "Write a story that uses the words kite,
-river and brave." and a newline), then the story, then end-of-text: the instructions of
-data/instructions.jsonl, one per story that data.py kept out of pretraining (a story the
-model has read many times is predicted from its own first tokens, and the instruction would
-add nothing to the loss). Each pass over the stories asks each of them for WORDS, 24, of the
-words it uses (all it has, if fewer), drawn anew, where the evaluation asks for three: so the
-words can only be read from the instruction, never recalled with the story, and more of a
-story's tokens are first uses of a word its instruction names, the tokens only the
-instruction can help with. The loss counts only the story's tokens and its end-of-text, so
-the model learns to answer instructions, not to write them, and to end a story on its own.
-Pretraining's optimizer, schedule, training step and peak learning rate (train.py); three
-eighths of each batch is windows of the pretraining stories (data/train.bin, read as
-pretraining reads it), a replay that keeps the model writing stories as it did while it
-learns the instructions. The budget is STEPS, 1,000 steps, or --minutes if those run out
-first: the schedule runs over the steps, so any machine makes the same model, a faster one sooner.
+river and brave." and a newline), then the story, then end-of-text. The loss counts only the
+story's tokens and its end-of-text, so the model learns to answer instructions, not to write
+them, and to end a story on its own. Four choices make it read the words from the
+instruction rather than recall them with a story it knows:
 
-Two losses are logged: on instructions held back from training (is it learning the task?)
-and on plain valid stories (does it still write stories? it should stay close to the
-pretrained model's). The final model goes to checkpoints/finetune/; with --keep, the model
-of each evaluation stays beside it as step-N.pt, to measure the words used against steps.
+- The stories are those data.py kept out of pretraining (data/instructions.jsonl): a story
+  the model has read many times is predicted from its own first tokens, and an instruction
+  would add nothing to the loss.
+- Each pass over the stories asks each of them for other words it uses, drawn anew, so the
+  words can only be read from the instruction, never recalled with the story.
+- Each story is asked for WORDS, 24, of its words (all it has, if fewer), where the
+  evaluation asks for three: the first use of a word the instruction names is a token only
+  the instruction can help with, and 24 words make those tokens a large enough share of the
+  loss for the model to learn to copy them.
+- Three eighths of each batch (PLAIN_SHARE) are windows of the pretraining stories
+  (data/train.bin, read as pretraining reads it): a replay that keeps the model writing
+  stories as well as it did, and lets it train at pretraining's peak learning rate.
 
-The levers of episode 3's step 4, each run in a folder named after what it changes
-(checkpoints/finetune-lr-0.0003-plain-0, finetune-asks-3, finetune-plain-0): --lr, the
-peak learning rate; --asks N, each story asked for N sets of words on each pass;
---plain-share, the share of each batch given to plain stories. Step 5 made the best of
-them, --lr 1e-3 --plain-share 0.25, the default until step 11. Step 6's lever, --swap SHARE: that share
-of the asked words that are nouns (data/words.json) is replaced throughout the story by
-another noun, drawn anew on each pass, and the instruction asks for it, so that however
-well a story is remembered, only the instruction tells which noun comes.
---words N, step 8's lever: each training story is asked for N of its words (all it has, if
-fewer) where the evaluation asks for three. Steps 9 and 10 gave 24 words a larger replay,
-half and three eighths of each batch; step 11 made three eighths, 24 words and 1,000 steps
-the default, when three training seeds agreed. Each step's command below is as it stood at
-its tag (git checkout ep3-9-larger-replay, say): today's defaults are step 11's.
---seed N trains with another seed (the order of the stories, the words each pass asks for,
-the replay's windows, the dropout) into a folder of its own, finetune-seed-N, to tell a
-recipe from its luck; the held-back instructions are the same for every seed.
---first-use-weight W, step 7's diagnostic and no recipe: the loss on the first use of each
-asked word counts W times, to learn whether this model can learn to read the words from its
-instruction at all when the loss asks for it loudly enough (the words it was asked for are a
-few tokens in two hundred of a story's loss).
+Pretraining's optimizer, schedule and training step (train.py). The budget is STEPS, 1,000
+steps, or --minutes if those run out first: the schedule runs over the steps, so any machine
+makes the same model, a faster one sooner. Two losses are logged: on instructions held back
+from training (is it learning the task?) and on plain valid stories (does it still write
+stories? it should stay close to the pretrained model's). The final model goes to
+checkpoints/finetune/.
 
-Choices of ours: examples longer than the model's context, 256 tokens (about one in six),
-are cut there, so they end without their end-of-text; a batch is padded to its longest
-example, rounded up to a multiple of ALIGN positions (16: the attention is faster so, for
-the rollouts and DPO; with the replay's windows a batch already has 256), the padding masked
-out of the loss; the first TUNE_POOL instructions are read, all of the shared
-sample's and more than any run asks for on the full download.
+The levers, each an option; a run that moves one off its default trains into a folder named
+after it (checkpoints/finetune-plain-0.5, finetune-words-8-seed-2, ...):
 
-    python finetune.py                    # 1,000 steps, at most --minutes 120
-    python finetune.py --keep --seed 2    # another training seed, each evaluation's model kept
-    python finetune.py --minutes 20 --lr 3e-4 --plain-share 0   # step 2's recipe
-    python finetune.py --steps 1500 --swap 1 --keep              # step 6's lever
-    python finetune.py --steps 400 --swap 1 --first-use-weight 20 --keep   # step 7's diagnostic
-    python finetune.py --steps 400 --words 8 --keep              # step 8's lever
-    python finetune.py --steps 1000 --words 24 --plain-share 0.5 --keep   # step 9's
-    python finetune.py --steps 1000 --words 24 --plain-share 0.375 --keep   # step 10's, the default since step 11
+    --lr LR                the peak learning rate (default 1e-3, pretraining's)
+    --plain-share SHARE    the share of each batch given to plain stories, the replay (0.375)
+    --words N              the words each training story is asked for (24; the evaluation asks 3)
+    --swap SHARE           the share of asked nouns swapped, throughout the story, for another
+                           noun that only the instruction names (0: off)
+    --first-use-weight W   a diagnostic, no recipe: the loss on each asked word's first use
+                           counts W times, to see whether the model can learn to copy at all (1)
+    --asks N               the sets of words each story is asked for on each pass (1)
+    --seed N               the training seed: the stories' order, the words asked, the replay's
+                           windows, the dropout; the held-back instructions stay the same
+    --keep                 keeps the model of each evaluation beside the final one, as step-N.pt,
+                           to measure the words used against steps
+    --steps N, --minutes M the budget: 1,000 steps, or 120 minutes if those run out first
+
+Choices of ours: examples longer than the model's context, 256 tokens, are cut there, so
+they end without their end-of-text; a batch is padded to its longest example, rounded up to
+a multiple of ALIGN positions (16: the attention is faster so, for the rollouts and DPO; with
+the replay's windows a batch already has 256), the padding masked out of the loss; the first
+TUNE_POOL instructions are read, all of the shared sample's and more than any run asks for
+on the full download.
+
+    python finetune.py                              # 1,000 steps, at most --minutes 120
+    python finetune.py --keep --seed 2              # another training seed, each evaluation's model kept
+    python finetune.py --plain-share 0.5 --words 8  # levers off their defaults, in a folder of their own
 """
 import json
 import math
@@ -83,11 +80,11 @@ MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pre
 # A batch's positions, rounded up to a multiple: bf16 attention on the CPU ran 2.2 to 3.7 times as
 # slow forward at some lengths as at their multiple of 16 (217 against 224: bench/attention.py).
 ALIGN = 16
-LR = 1e-3  # the peak, pretraining's: with the replay below, step 4's best (3e-4 before)
+LR = 1e-3  # the peak, pretraining's: the replay below keeps the stories that so large a rate would shake
 PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories
-SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (step 6's lever)
+SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (off: it read the words no better)
 WORDS = 24  # asked of each training story (the evaluation asks for three): more first uses to learn from
-STEPS = 1_000  # the budget: where three training seeds all used 27% of the words or more (step 11)
+STEPS = 1_000  # the budget: by then three training seeds each used 27% of the words or more
 MINUTES = 120  # at most: 1,000 steps took 45 to 60 on two CPU cores
 MIN_LR = 3e-5
 WARMUP = 50  # steps

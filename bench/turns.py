@@ -8,12 +8,12 @@ bench/rollout.py move with a busy machine by more than these changes do; and the
 goes first changes each round. The medians, and how far apart the two ways'
 log-probabilities (without gradients) are.
 
-The ways compared, each the change of one step of episode 16:
-- align (step 7): a rollout packed at its own length (ALIGN 1), or rounded up to a multiple
+The ways compared, each a change that episode 16's speed page measures:
+- align: a rollout packed at its own length (ALIGN 1), or rounded up to a multiple
   of finetune.ALIGN positions;
-- logprobs (step 9): each target's log-probability from torch's log_softmax over a float32
+- logprobs: each target's log-probability from torch's log_softmax over a float32
   copy of every logit, or from kernels.log_softmax_at;
-- attention (step 10): the update's attention with torch's backward pass in bfloat16, or
+- attention: the update's attention with torch's backward pass in bfloat16, or
   with kernels.attention's in float32 (the same forward pass).
 
     python bench/turns.py align           (about 4 minutes on a 2-core CPU)

@@ -45,8 +45,8 @@ def test_turns_benchmark_times_both_ways_and_they_give_the_same_log_probabilitie
     from bench import turns
 
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
-    # Each way must really run as it says: the way before step 9 with log_softmax, not
-    # log_softmax_at twice; step 10's float32 backward in its own way's minibatches only.
+    # Each way must really run as it says: the log_softmax way with log_softmax, not
+    # log_softmax_at twice; the float32 backward in its own way's minibatches only.
     calls = {"gather": 0, "attention": 0}
 
     def counted(name, function):
