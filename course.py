@@ -47,7 +47,7 @@ KL = 0.05  # the KL weight of PPO and of the first GRPO run; the second runs wit
 # same models, a faster one sooner. The minutes are a cap, about twice what two CPU cores take,
 # so that only a machine far slower than those stops short (with a model that learned less).
 # Pretraining: 2,322 steps, what an hour gave on the project's CPU on a quick day, and the base
-# that fine-tuning's recipe was measured from (episode 3, step 11). Fine-tuning: its own 1,000 steps.
+# that fine-tuning's recipe was measured from (episode 3). Fine-tuning: its own 1,000 steps.
 # DPO: 100 steps, about ten minutes on two CPU cores. PPO and GRPO: the video's rollouts in its
 # ten minutes, 32 with the penalty and 36 without. The models are measured with three seeds of
 # the held-out stories, as the docs do.
