@@ -17,7 +17,9 @@ RUNS = Path("runs")
 # The command that makes each folder of checkpoints, for the error when one is missing.
 MADE_BY = {"pretrain": "python train.py", "finetune": "python finetune.py", "dpo": "python dpo.py",
            "ppo": "python ppo.py", "grpo": "python grpo.py"}
-SETTING = (bool, int, float, str)  # the kinds of constant a run's settings record
+# The kinds of constant a run's settings record: exactly these (a numpy number is a float too,
+# but a checkpoint holding one would not load with weights_only=True).
+SETTING = (bool, int, float, str)
 
 
 def run_settings(args, constants, **more):
@@ -26,8 +28,8 @@ def run_settings(args, constants, **more):
     of those: its own and those it imports), then its options, then `more`; lower-cased, so
     BATCH is batch. An option overrides the constant of its name (--lr over LR)."""
     recorded = {name.lower(): value for name, value in constants.items()
-                if name.isupper() and (isinstance(value, SETTING) or
-                                       (isinstance(value, tuple) and all(isinstance(v, SETTING) for v in value)))}
+                if name.isupper() and (type(value) in SETTING or
+                                       (type(value) is tuple and all(type(v) in SETTING for v in value)))}
     return {**recorded, **vars(args), **more}
 
 

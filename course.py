@@ -44,13 +44,14 @@ RECORD = RUNS / "course.json"  # each step's command and minutes, kept from one 
 PLOTS = ROOT / "docs" / "img"  # where docs/plots.py draws
 KL = 0.05  # the KL weight of PPO and of the first GRPO run; the second runs without the penalty
 # Each training script's budget, as its options: steps and rollouts, so that any machine makes the
-# same models, a faster one sooner. The minutes are a cap, about twice what two CPU cores take,
-# so that only a machine far slower than those stops short (with a model that learned less).
+# same models, a faster one sooner. The minutes are only a cap, over twice what the slowest of
+# the project's 2-core CPUs takes, so that only a machine far slower stops short (with a model
+# that learned less).
 # Pretraining: 2,322 steps, what an hour gave on the project's CPU on a quick day, and the base
 # that fine-tuning's recipe was measured from (episode 3). Fine-tuning: its own 1,000 steps.
-# DPO: 100 steps, about ten minutes on two CPU cores. PPO and GRPO: the video's rollouts in its
-# ten minutes, 32 with the penalty and 36 without. The models are measured with three seeds of
-# the held-out stories, as the docs do.
+# DPO: 100 steps, ten to fourteen minutes on two CPU cores. GRPO: the video's rollouts in its ten
+# minutes, 32 with the penalty and 36 without; PPO as many as GRPO with its penalty, to compare.
+# The models are measured with three seeds of the held-out stories, as the docs do.
 FULL = {"pretrain": ["--steps", "2322", "--minutes", "360"], "finetune": ["--minutes", "240"],
         "dpo": ["--steps", "100", "--minutes", "60"], "ppo": ["--rollouts", "32", "--minutes", "120"],
         "grpo": ["--rollouts", "32", "--minutes", "120"], "grpo-kl-0": ["--rollouts", "36", "--minutes", "120"],
@@ -60,7 +61,7 @@ LAST_ROLLOUTS = 5  # the end of an RL run, for its KL per story: the video's "ov
 VIDEO = """| model | words used | loss on plain stories | stories that end within 200 tokens | KL per story at the end |
 | --- | --- | --- | --- | --- |
 | fine-tuned | 27% | 2.38 | 48% | 0 |
-| PPO, KL 0.05 (about 32 rollouts) | 45% | 2.48 | 30% | about 19 |
+| PPO, KL 0.05 | 45% | 2.48 | 30% | about 19 |
 | GRPO, KL 0.05 (32 rollouts) | 50% | 2.46 | 42% | about 14 |
 | GRPO, KL 0 (36 rollouts) | 58% | 2.56 | 8% | about 44 |"""
 # Enough for each script to take some steps and save its model: the whole path works, though
@@ -128,10 +129,10 @@ def course(budget, seeds=1, source=None, device=None):
         seeded = [] if seed == SEED else ["--seed", str(seed)]
         steps += trained(f"DPO{named}", ["dpo.py", *budget["dpo"], *seeded], folders["dpo"], PAIRS)
         for script, kl, key in (("ppo.py", KL, "ppo"), ("grpo.py", KL, "grpo"), ("grpo.py", 0, "grpo-kl-0")):
-            steps += trained(f"{script[:-3].upper()}, KL {kl:g}{named}", [script, *budget[key], "--kl", f"{kl:g}", *seeded],
-                             folders[key], final(finetuned))
+            command = [script, *budget[key], "--kl", f"{kl:g}", *seeded]
+            steps += trained(f"{script[:-3].upper()}, KL {kl:g}{named}", command, folders[key], final(finetuned))
     # The plots are drawn again every time, from whatever runs/ holds now: it takes seconds.
-    steps.append(Step("plots", ["docs/plots.py", "--course"], needs="matplotlib"))
+    steps.append(Step("plots", ["docs/plots.py", "--course", "--seeds", str(seeds)], needs="matplotlib"))
     return steps
 
 
@@ -236,8 +237,13 @@ def kl_at_the_end(folder, last=LAST_ROLLOUTS):
         return None
     events = EventAccumulator(str(run), size_guidance={"scalars": 0})
     events.Reload()
-    kl = [point.value for point in events.Scalars("rollout/kl")] if "rollout/kl" in events.Tags()["scalars"] else []
-    return sum(kl[-last:]) / len(kl[-last:]) if kl else None
+    points = events.Scalars("rollout/kl") if "rollout/kl" in events.Tags()["scalars"] else []
+    # A run folder keeps the points of every run written to it: each rollout's latest, up to the
+    # final model's last rollout, are this run's.
+    latest = {point.step: point.value for point in sorted(points, key=lambda point: point.wall_time)}
+    final = (measured(folder) or {}).get("made_by", {}).get("rollout", max(latest, default=0))
+    kl = [latest[rollout] for rollout in sorted(latest) if rollout <= final][-last:]
+    return sum(kl) / len(kl) if kl else None
 
 
 def summary(rows):

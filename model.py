@@ -5,8 +5,8 @@ Token and position embeddings; pre-norm blocks, each a causal self-attention and
 each behind a layer norm and added back to the stream; dropout; a final layer norm, and an
 output layer that shares its weights with the token embedding. The series' model is the
 Config below: about 14.6M parameters. generate() writes after a prompt the plain way, the
-whole sequence through the model again for each new token; episode 4 (sample.py) writes the
-same stories fast, with a cache of each layer's keys and values, which forward() takes.
+whole sequence through the model again for each new token; episode 4 (sample.py) writes fast,
+from the same distribution, with a cache of each layer's keys and values, which forward() takes.
 
     python model.py    (prints the series' model and its parameter count)
 """

@@ -8,7 +8,8 @@ seed, and at most MAX_NEW_TOKENS. A story stops at its first end-of-text, which 
 ending a story is something the model has to learn too.
 
 The model's own generate() (model.py) runs the whole story again for every new token.
-generate() here writes the same stories fast. The KV cache keeps each layer's keys and
+generate() here writes fast: the same tokens at temperature 0, and draws from the same
+distribution otherwise (with a draw of its own, so a seed gives other stories than there). The KV cache keeps each layer's keys and
 values, so a new token costs one position. When a batch repeats one prompt (a GRPO group),
 the prompt runs once and its keys and values are copied to every story. A rollout of many
 prompts of several lengths (GRPO's 16 instructions, each 8 times) is one batch too: each
@@ -78,7 +79,7 @@ def write(model, tokenizer, prompt, max_new_tokens=MAX_NEW_TOKENS, temperature=1
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, stop=None, generator=None):
-    """What model.generate writes, fast: up to max_new_tokens after each row of prompts, every
+    """Writes as model.generate does, fast: up to max_new_tokens after each row of prompts, every
     row at once. prompts is a (B, T) tensor of prompts of one length, or a list of such
     tensors of several lengths (a GRPO rollout: each instruction stacked eight times).
     Temperature 0 takes the likeliest token. A row that writes `stop` writes only `stop`

@@ -1,6 +1,6 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
-memory is its own, timing a piece of work (a GPU's, not only its queueing), and describing the machine
-the figures came from (devices.machine)."""
+memory is its own, timing a piece of work (a GPU's, not only its queueing), and the peak
+memory; devices.machine() describes the machine the figures came from."""
 import json
 import resource
 import subprocess

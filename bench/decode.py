@@ -45,11 +45,12 @@ def step_flops(model, positions):
 
 
 def writing_steps(model, device, positions, steps):
-    """The cache filled to `positions`, then `steps` single-token steps: their seconds each."""
+    """The cache filled to `positions`, then `steps` single-token steps: their seconds each, and
+    the step itself, which may run `steps` times more (the cache has room for them)."""
     generator = torch.Generator(device=device).manual_seed(0)
     groups = [torch.randint(0, model.config.vocab_size, (1, PROMPT), device=device).repeat(GROUP, 1)
               for _ in range(ROWS // GROUP)]
-    logits, cache = prefill(model, groups, positions + steps)
+    logits, cache = prefill(model, groups, positions - PROMPT + 2 * steps)
     token = next_token(logits, 1.0, None, generator)
 
     def one_step():
@@ -83,8 +84,9 @@ def main():
     parser.add_argument("--precision", choices=list(DTYPES), help="default: the scripts' for the device")
     parser.add_argument("--rows", type=int, default=25, help="operators to list")
     args = parser.parse_args()
-    if not PROMPT < args.positions <= Config.context - args.steps or args.steps < 1:
-        parser.error(f"--positions between {PROMPT + 1} and the context less --steps, --steps at least 1")
+    if args.steps < 1 or not PROMPT < args.positions <= Config.context - 2 * args.steps:
+        parser.error(f"--steps at least 1, --positions between {PROMPT + 1} and the context ({Config.context}) "
+                     "less twice --steps (the steps timed, then as many profiled)")
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     torch.manual_seed(0)
@@ -93,9 +95,11 @@ def main():
     print(f"machine: {machine()}; device: {device}; {precision}; the matrix-product peak measured at "
           f"{peak / 1e12:.3f} TFLOP/s")
 
+    # The steps timed, then as many again under the profiler (which slows what it watches).
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad(), autocast(device, precision):
         seconds, one_step = writing_steps(model, device, args.positions, args.steps)
-        with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        with profile(activities=activities) as profiled:
             for _ in range(args.steps):
                 one_step()
     step = statistics.median(seconds)
@@ -103,7 +107,8 @@ def main():
     print(f"a step of {ROWS} rows at {args.positions} cached positions: {step * 1000:.1f} ms, "
           f"{ROWS / step:,.0f} tokens per second, {flops / step / peak:.0%} of the matrix peak "
           f"({flops / 1e9:.2f} GFLOP a step)")
-    print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(profiled.key_averages().table(sort_by=by, row_limit=args.rows))
     if not args.compile:
         return
 
@@ -126,6 +131,11 @@ def main():
     print(f"| an update minibatch (16 x 224), median of the last 3 | {statistics.median(eager[1][1:]):.2f} s | "
           f"{statistics.median(compiled[1][1:]):.2f} s |")
     print(f"| all of it, compiling included | {eager[0]:.0f} s | {compiled[0]:.0f} s |")
+    # What torch.compile made of the model: the step reads the cache's positions as numbers, so
+    # it is cut into several graphs, each compiled, with Python between them.
+    print(f"graphs compiled: {torch._dynamo.utils.counters['stats']['unique_graphs']}, "
+          f"graph breaks: {sum(torch._dynamo.utils.counters['graph_break'].values())}")
+
 
 if __name__ == "__main__":
     main()

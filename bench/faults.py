@@ -5,7 +5,7 @@ and tiny models in checkpoints/pretrain and checkpoints/finetune, so that a run 
 each of train.py (resumed), finetune.py, dpo.py, ppo.py and grpo.py first runs once to its end,
 which times it; then KILLS times it starts afresh and is killed at a moment drawn uniformly
 over that time. After each kill:
-- every checkpoint under checkpoints/ must load (model.read_checkpoint: weights_only, checked);
+- every checkpoint under checkpoints/ must load (checkpoints.read_checkpoint: weights_only, checked);
 - the scripts that resume (train.py, ppo.py, grpo.py) run with --resume to their end, which must
   succeed, or, for an RL run killed before its first checkpoint, refuse in one line;
 - afterwards the checkpoints must load again.

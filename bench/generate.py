@@ -29,6 +29,8 @@ PROMPT_LENGTH = 19  # as long as most instructions, end-of-text included
 
 @torch.no_grad()
 def without_cache(model, prompts, new_tokens, generator):
+    """The whole sequence again for each new token, as model.generate writes, but with the cache's
+    draw (sample.next_token), so that the two ways differ by the cache alone."""
     tokens = prompts
     for _ in range(new_tokens):
         logits, _ = model(tokens)

@@ -114,10 +114,11 @@ def main():
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     device = pick_device(args.device)
-    precision = args.precision or default_precision(device)
+    machine_s = default_precision(device)
+    precision = args.precision or machine_s
     # bf16 beside fp32 where the machine writes bf16 faster (or it is asked for): on a CPU without
     # fast bf16 products (many laptops), it runs many times slower, and the comparison would take long.
-    both_precisions = precision == "bf16" or default_precision(device) == "bf16"
+    both_precisions = "bf16" in (precision, machine_s)
     tokenizer = load_tokenizer()
     policy = load_checkpoint(args.model, device, tokenizer).eval()
     reference = load_checkpoint(args.model, device, tokenizer, quiet=True).eval().requires_grad_(False)
@@ -150,7 +151,7 @@ def main():
           f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens)")
     print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
     if not both_precisions:
-        print("\nbf16 not measured: this machine multiplies bf16 matrices slower than fp32 (devices.default_precision)")
+        print("\nbf16 not measured: it is not this machine's faster precision (devices.default_precision)")
         return
     other = "fp32" if precision == "bf16" else "bf16"
     print(f"writing in {other} (the same instructions and draws; its stories differ a little): "

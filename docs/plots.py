@@ -69,10 +69,13 @@ COMPARISONS = [
 
 
 def scalars(run, tag):
+    """A run's points of a tag: the latest of each step, as a run folder keeps the points of
+    every run written to it."""
     events = EventAccumulator(str(RUNS / run), size_guidance={"scalars": 0})
     events.Reload()
     points = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
-    return [p.step for p in points], [p.value for p in points]
+    latest = {p.step: p.value for p in sorted(points, key=lambda p: p.wall_time)}
+    return sorted(latest), [latest[step] for step in sorted(latest)]
 
 
 def draw(file, title, xlabel, ylabel, lines):
@@ -168,17 +171,17 @@ COURSE_RL = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "gr
 COURSE_FIGURES = ["course-training.png", "course-dpo.png", "course-rl.png"]
 
 
-def with_its_seeds(run):
-    """A run and its other training seeds' runs under runs/: grpo/kl-0.05, grpo/kl-0.05-seed-2..."""
-    folder = RUNS / run
-    pattern = rf"{re.escape(folder.name)}(-seed-\d+)?"
-    found = [p for p in folder.parent.glob(f"{folder.name}*") if re.fullmatch(pattern, p.name)]
-    return sorted((p.relative_to(RUNS).as_posix() for p in found), key=len)
+def with_its_seeds(run, seeds):
+    """A run and its other training seeds' runs under runs/, as course.py --seeds names them:
+    grpo/kl-0.05, grpo/kl-0.05-seed-2, ... up to seed `seeds`."""
+    named = [run] + [f"{run}-seed-{seed}" for seed in range(2, seeds + 1)]
+    return [name for name in named if (RUNS / name).exists()]
 
 
 def panels(file, title, panels_of, lines):
     """A row of plots, one per (title, tag, x label); each of lines is (run, label, colour)."""
-    figure, axes = plt.subplots(1, len(panels_of), figsize=(4.3 * len(panels_of), 3.5))
+    figure, axes = plt.subplots(1, len(panels_of), figsize=(4.3 * len(panels_of), 3.5), squeeze=False)
+    axes = axes[0]
     for axis, (panel_title, tag, xlabel) in zip(axes, panels_of):
         labelled = set()
         for run, label, colour in lines:
@@ -196,8 +199,8 @@ def panels(file, title, panels_of, lines):
     print(f"wrote docs/img/{file}")
 
 
-def course_figures(files):
-    """The course's figures, from whatever runs of its runs/ holds."""
+def course_figures(files, seeds):
+    """The course's figures, from its runs under runs/, `seeds` training seeds of each."""
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     if "course-training.png" in files and (RUNS / "pretrain").exists():
         panels("course-training.png", "The course: pretraining, then fine-tuning",
@@ -205,14 +208,14 @@ def course_figures(files):
                 ("fine-tuning: held-back instructions", "loss/instructions", "step"),
                 ("fine-tuning: plain valid stories", "loss/plain", "step")],
                [("pretrain", "pretraining", colours[0]), ("finetune", "fine-tuning", colours[1])])
-    dpo = with_its_seeds("dpo")
+    dpo = with_its_seeds("dpo", seeds)
     if "course-dpo.png" in files and dpo:
         panels("course-dpo.png", "The course: DPO, a line per training seed",
                [("words used, held-out instructions", "words/heldout", "step"),
                 ("reward margin on each batch of pairs", "dpo/margin", "step")],
                [(run, "DPO", colours[2]) for run in dpo])
     rl = [(seeded, label, colours[3 + i]) for i, (run, label) in enumerate(COURSE_RL.items())
-          for seeded in with_its_seeds(run)]
+          for seeded in with_its_seeds(run, seeds)]
     if "course-rl.png" in files and rl:
         panels("course-rl.png", "The course: PPO and GRPO, a line per training seed",
                [("reward of each rollout", "rollout/reward", "rollout"),
@@ -240,6 +243,7 @@ def main():
     parser = argparse.ArgumentParser(description="Draw the docs' plots from the logs under runs/.")
     parser.add_argument("files", nargs="*", help="only these figures (rl-reward.png, ...); default: all the docs'")
     parser.add_argument("--course", action="store_true", help="the course's figures only: " + ", ".join(COURSE_FIGURES))
+    parser.add_argument("--seeds", type=int, default=1, help="with --course: each run's training seeds (default 1)")
     args = parser.parse_args()
     files = args.files
     drawn = [file for file, *_ in COMPARISONS + [(file,) for _, file, *_ in PLOTS]]
@@ -248,8 +252,10 @@ def main():
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
+    if args.course and set(files) - set(COURSE_FIGURES):
+        parser.error(f"--course draws {', '.join(COURSE_FIGURES)} only")
     if args.course or set(files) & set(COURSE_FIGURES):
-        course_figures(files or COURSE_FIGURES)
+        course_figures(files or COURSE_FIGURES, args.seeds)
         return
     for file, title, ylabel, tag, runs in COMPARISONS:
         if (files and file not in files) or (not files and any(runs is named for named in ONLY_WHEN_NAMED)):

@@ -5,6 +5,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,10 +33,11 @@ def test_saved_model_loads_with_the_same_outputs(small_model, small_tokenizer, t
 def test_a_run_s_settings_are_its_constants_then_its_options():
     constants = {"BATCH": 16, "BETAS": (0.9, 0.95), "LR": 1e-3, "EXAMPLE": "Write a story.", "AMX": True,
                  "DATA": Path("data"), "WORD": re.compile("x"), "TINY": {"n_layer": 2}, "BOTH": (1, Path("x")),
-                 "make": print, "lower_case": 3}
+                 "make": print, "lower_case": 3, "NUMPY": np.float64(0.5)}
     options = argparse.Namespace(lr=3e-4, minutes=10.0, device=None)
     settings = run_settings(options, constants, device="cpu", script="x.py")
-    # Numbers, strings and tuples of them, by their lower-case names; not paths, patterns, dicts or functions.
+    # Numbers, strings and tuples of them, by their lower-case names; not paths, patterns, dicts, functions
+    # or numpy numbers (which a checkpoint loaded with weights_only=True refuses).
     assert settings == {"batch": 16, "betas": (0.9, 0.95), "lr": 3e-4, "example": "Write a story.", "amx": True,
                         "minutes": 10.0, "device": "cpu", "script": "x.py"}
 

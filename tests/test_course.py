@@ -29,7 +29,7 @@ FULL_COMMANDS = [
     *evaluated("checkpoints/grpo/kl-0.05"),
     ["grpo.py", "--rollouts", "36", "--minutes", "120", "--kl", "0", "--device", "cpu"],
     *evaluated("checkpoints/grpo/kl-0"),
-    ["docs/plots.py", "--course"],
+    ["docs/plots.py", "--course", "--seeds", "1"],
 ]
 WORDS_USED = {"pretrain": 0.06, "finetune": 0.27, "dpo": 0.31, "dpo-seed-2": 0.35, "dpo-seed-3": 0.36,
               "ppo-kl-0.05": 0.45, "ppo-kl-0.05-seed-2": 0.41, "ppo-kl-0.05-seed-3": 0.4,
@@ -125,6 +125,7 @@ def test_three_seeds_train_each_dpo_ppo_and_grpo_run_three_times_and_the_report_
     scripts = Scripts(monkeypatch)
     monkeypatch.setattr(course, "kl_at_the_end", lambda folder: {"ppo": 20.0, "grpo": 14.0}.get(folder.parent.name))
     take_course(monkeypatch, "--quick", "--seeds", "3")
+    assert scripts.commands[-1] == ["docs/plots.py", "--course", "--seeds", "3"]
     trained = [c for c in scripts.commands if c[0] in ("dpo.py", "ppo.py", "grpo.py")]
     assert len(trained) == 12
     # The series' seed first, as a learner's own command has it, then --seed 2 and --seed 3.
@@ -155,7 +156,7 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     # The full course afterwards takes the quick one's models, and says so; only the plots are drawn again.
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch)
-    assert scripts.commands == [["docs/plots.py", "--course"]]
+    assert scripts.commands == [["docs/plots.py", "--course", "--seeds", "1"]]
     assert ("== fine-tuning: skipped: checkpoints/finetune/model.pt exists, made by python finetune.py --minutes 1.5\n"
             in capsys.readouterr().out)
     report = (learner / "report" / "README.md").read_text()
@@ -171,7 +172,7 @@ def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert scripts.commands == [["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"],
-                                ["docs/plots.py", "--course"]]
+                                ["docs/plots.py", "--course", "--seeds", "1"]]
 
     age_everything(learner)
     (learner / "checkpoints" / "finetune" / "model.pt").touch()  # fine-tuning trained once more
@@ -195,8 +196,8 @@ def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
 
 def test_a_failing_step_stops_the_course_with_one_line(learner, monkeypatch):
     Scripts(monkeypatch, fail_at="dpo.py", failure=subprocess.CalledProcessError(2, "dpo.py"))
-    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --steps 100 --minutes 60; "
-                                         r"once it is fixed, python course.py goes on from there$"):
+    with pytest.raises(SystemExit, match=r"^course.py: DPO stopped \(exit 2\) in python dpo.py --steps 100 "
+                                         r"--minutes 60; once it is fixed, python course.py goes on from there$"):
         take_course(monkeypatch)
     assert not (learner / "report").exists()
 
@@ -205,7 +206,7 @@ def test_without_matplotlib_the_plots_are_skipped_and_the_report_says_how_to_dra
     monkeypatch.setattr(course, "installed", lambda module: module != "matplotlib")
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert ["docs/plots.py", "--course"] not in scripts.commands
+    assert ["docs/plots.py", "--course", "--seeds", "1"] not in scripts.commands
     assert "== plots: skipped: matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().out
     assert "None drawn: `pip install matplotlib`, then `python course.py` again." in (
         learner / "report" / "README.md").read_text()
@@ -229,6 +230,13 @@ def logged(folder, tag, values):
 def test_the_kl_at_the_end_is_the_mean_over_the_run_s_last_five_rollouts(learner):
     logged(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [1, 2, 3, 4, 5, 6, 7])
     assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0") == pytest.approx(5.0)
+    # A shorter run afterwards into the same folder: its own three rollouts, not the first run's last.
+    time.sleep(0.01)
+    logged(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [10, 20, 30])
+    evaluation = course.evaluation(course.CHECKPOINTS / "grpo" / "kl-0")
+    evaluation.parent.mkdir(parents=True, exist_ok=True)
+    evaluation.write_text(json.dumps({"made_by": {"rollout": 3}}))
+    assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0") == pytest.approx(20.0)
     assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0.05") is None  # never run
     assert course.kl_at_the_end(course.CHECKPOINTS / "dpo") is None  # no KL logged for DPO
 
@@ -245,8 +253,9 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
         logged(learner / "runs" / run, "rollout/reward", [0.3, 0.4])
     logged(learner / "runs" / "dpo-seed-2", "dpo/margin", [0.1, 0.2])
     logged(learner / "runs" / "dpo", "dpo/margin", [0.1, 0.3])
-    assert plots.with_its_seeds("grpo/kl-0") == ["grpo/kl-0", "grpo/kl-0-seed-3"]
-    assert plots.with_its_seeds("grpo/kl-0.05") == ["grpo/kl-0.05", "grpo/kl-0.05-seed-2"]
-    monkeypatch.setattr(sys, "argv", ["plots.py", "--course"])
+    assert plots.with_its_seeds("grpo/kl-0", 3) == ["grpo/kl-0", "grpo/kl-0-seed-3"]
+    assert plots.with_its_seeds("grpo/kl-0.05", 3) == ["grpo/kl-0.05", "grpo/kl-0.05-seed-2"]
+    assert plots.with_its_seeds("grpo/kl-0.05", 1) == ["grpo/kl-0.05"]
+    monkeypatch.setattr(sys, "argv", ["plots.py", "--course", "--seeds", "3"])
     plots.main()
     assert {p.name for p in (learner / "img").glob("course-*.png")} == {"course-dpo.png", "course-rl.png"}

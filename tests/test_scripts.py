@@ -79,7 +79,7 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert made_by["script"] == "finetune.py" and made_by["step"] == 2
     assert made_by["settings"]["lr"] == finetune.LR and made_by["settings"]["plain_share"] == finetune.PLAIN_SHARE
     # Every constant the run used is in its settings, as it was: none typed out by hand to forget.
-    for constant in ("EVAL_EVERY", "HELD_BACK", "ALIGN", "TUNE_POOL", "STEPS", "WORDS", "CONTEXT", "SEED"):
+    for constant in ("EVAL_EVERY", "HELD_BACK", "ALIGN", "TUNE_POOL", "CONTEXT", "MAX_LENGTH", "MIN_LR", "WARMUP"):
         assert made_by["settings"][constant.lower()] == getattr(finetune, constant)
     kept = sorted(path.name for path in (learner / "checkpoints" / "finetune").glob("step-*.pt"))
     assert kept == ["step-1.pt", "step-2.pt"]

@@ -83,11 +83,11 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
 def test_a_chunk_takes_its_merges_in_the_order_training_learned_them():
     # b+c was learned first (token 256), then a+b (257): "abc" is a, then bc; taking the
     # leftmost known pair first would make ab, then c.
-    tokenizer = bpe.Tokenizer([(ord("b"), ord("c")), (ord("a"), ord("b"))])
-    assert tokenizer.encode_chunk(b"abc") == [ord("a"), 256]
+    bc_first = bpe.Tokenizer([(ord("b"), ord("c")), (ord("a"), ord("b"))])
+    assert bc_first.encode_chunk(b"abc") == [ord("a"), 256]
     # And a merge of merges: ab (256), then ab+c (257), but bc (258) comes too late for "abc".
-    tokenizer = bpe.Tokenizer([(ord("a"), ord("b")), (256, ord("c")), (ord("b"), ord("c"))])
-    assert tokenizer.encode_chunk(b"abcbc") == [257, 258]
+    merges_of_merges = bpe.Tokenizer([(ord("a"), ord("b")), (256, ord("c")), (ord("b"), ord("c"))])
+    assert merges_of_merges.encode_chunk(b"abcbc") == [257, 258]
 
 
 def naive_training(texts, vocab_size):
@@ -107,9 +107,21 @@ def naive_training(texts, vocab_size):
         most = max(counts.values())
         pair = min(p for p, count in counts.items() if count == most)
         merges.append(pair)
-        words = Counter({tuple(bpe.merge(list(word), pair, 255 + len(merges))): weight
-                         for word, weight in words.items()})
+        words = Counter({merged(word, pair, 255 + len(merges)): weight for word, weight in words.items()})
     return merges
+
+
+def merged(word, pair, token):
+    """word with each occurrence of pair, left to right, replaced by token."""
+    out, i = [], 0
+    while i < len(word):
+        if word[i:i + 2] == pair:
+            out.append(token)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
 
 
 def test_training_learns_the_merges_of_a_naive_bpe_that_recounts_every_pair():
