@@ -4,14 +4,15 @@ Episode 2, pretraining: the GPT learns to write stories by predicting each next 
 Windows of CONTEXT tokens are drawn at random from data/train.bin (every story, each after
 an end-of-text token), and the model learns to predict each token from those before it.
 AdamW, a short warmup and then a cosine decay of the learning rate, gradients clipped at 1,
-bfloat16 matrix products where the device does them faster (model.default_precision), the
+bfloat16 matrix products where the device does them faster (devices.default_precision), the
 validation loss on fixed windows of data/valid.bin every so often, TensorBoard scalars and
 a sample story, and a checkpoint in checkpoints/pretrain/ at each validation.
 
 Departures from the usual recipe: the run is budgeted in minutes (--minutes) rather than
-steps, so the cosine decay follows the share of the budget used, whichever of time and
---steps runs out first; that way a learner on any machine gets a fully decayed model at
-the end of the time they chose. With --resume it goes on from its last checkpoint, on the
+steps, so the cosine decay follows the share of the minutes used; that way a learner on any
+machine gets a fully decayed model at the end of the time they chose. With --steps, the
+decay follows the steps instead, so that any machine makes the same model, a faster one
+sooner, and the minutes are only a cap. With --resume it goes on from its last checkpoint, on the
 schedule it started with (its --minutes and --steps, and the minutes already trained).
 
     python train.py --minutes 60
@@ -67,8 +68,12 @@ def parse_training_args(parser):
 
 
 def budget_used(seconds, minutes, step, steps):
-    """The share of the budget used: of the minutes, or of the steps if those run out first."""
-    return max(seconds / (minutes * 60), step / steps if steps else 0.0)
+    """The share of the budget used, which the schedule follows: of the steps, when there are
+    some, so that any machine makes the same model, a faster one sooner; else of the minutes.
+    1 once the minutes are up, either way: with steps, the minutes are only a cap."""
+    if seconds >= minutes * 60:
+        return 1.0
+    return step / steps if steps else seconds / (minutes * 60)
 
 
 def load_tokens(split, folder=DATA):

@@ -27,10 +27,11 @@ def test_a_window_s_targets_are_its_next_tokens():
     assert torch.equal(y, x + 1)  # in 0, 1, 2, ... each token's next is itself plus one
 
 
-def test_the_budget_is_time_or_steps_whichever_runs_out_first():
+def test_the_schedule_follows_the_steps_when_there_are_some_else_the_minutes_which_always_cap_it():
     assert train.budget_used(30, 1, 0, None) == 0.5  # half a minute of one
-    assert train.budget_used(30, 1, 8, 10) == 0.8  # 8 of 10 steps, further along than the time
-    assert train.budget_used(90, 1, 8, 10) == 1.5  # time is up
+    assert train.budget_used(30, 1, 8, 10) == 0.8  # 8 of 10 steps: the schedule follows the steps
+    assert train.budget_used(45, 1, 2, 10) == 0.2  # a slow machine too: the time is a cap, not the schedule
+    assert train.budget_used(90, 1, 8, 10) == 1.0  # time is up
 
 
 def test_training_makes_the_loss_fall():
