@@ -20,9 +20,9 @@ story's log-probability sums about 200 tokens', and bfloat16's rounding of each 
 up to noise as large as the differences DPO learns from. Adam, no weight decay, the
 schedule of train.py over --minutes (over --steps, when given). Every EVAL_EVERY steps, the
 share of the words it uses on the held-out instructions, and its story for DEMO. The final
-model: checkpoints/dpo/. Nothing in the training is drawn but the order of the pairs, so --seed N shuffles them in
-another order, into folders of its own (checkpoints/dpo-seed-N/, runs/dpo-seed-N/): the
-spread of a few seeds says how much of a result is that order's luck.
+model: checkpoints/dpo/. Nothing in the training is drawn but the order of the pairs, so
+--seed N shuffles them in another order, into folders of its own (checkpoints/dpo-seed-N/,
+runs/dpo-seed-N/): the spread of a few seeds says how much of a result is that order's luck.
 
 Exported for PPO and GRPO: DEMO, the instruction that asks for rain, cake and jump;
 words_rate(), a story for each held-out instruction and the share of the words they use;
