@@ -44,6 +44,8 @@ after it (checkpoints/finetune-plain-0.5, finetune-words-8-seed-2, ...):
     --keep                 keeps the model of each evaluation beside the final one, as step-N.pt,
                            to measure the words used against steps
     --steps N, --minutes M the budget: 1,000 steps, or 120 minutes if those run out first
+    --micro-batch ROWS     rows put through the model at once, their gradients adding up to the
+                           same step (gradient accumulation, for less memory; default: all)
 
 Choices of ours: examples longer than the model's context, 256 tokens, are cut there, so
 they end without their end-of-text; a batch is padded to its longest example, rounded up to
@@ -52,9 +54,14 @@ the replay's windows a batch already has 256), the padding masked out of the los
 TUNE_POOL instructions are read, all of the shared sample's and more than any run asks for
 on the full download.
 
+Under torchrun (distributed.py, docs/torchrun.md) each process takes its own rows of each
+batch, as in pretraining; the loss stays the mean over the whole batch's story tokens, as
+each process's share counts by its tokens.
+
     python finetune.py                              # 1,000 steps, at most --minutes 120
     python finetune.py --keep --seed 2              # another training seed, each evaluation's model kept
     python finetune.py --plain-share 0.5 --words 8  # levers off their defaults, in a folder of their own
+    torchrun --standalone --nproc_per_node 2 finetune.py   # the same steps on two processes
 """
 import json
 import math
@@ -67,13 +74,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
 from data import SEED, WORD, ask, instruction
-from devices import autocast, default_precision, pick_device
+from devices import autocast, default_precision
 from files import check_writable, read_instructions, read_words
 from tokenizer import encode_prompt, load_tokenizer
-from train import (CONTEXT, budget_used, demo_story, learning_rate, load_tokens, make_optimizer, optimizer_step,
-                   parse_training_args, train_step, training_parser, valid_loss)
+from train import (CONTEXT, accumulated_step, add_micro_batch, budget_used, demo_story, learning_rate, load_tokens,
+                   make_optimizer, parse_training_args, train_step, training_parser, valid_loss)
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
@@ -165,15 +173,16 @@ def first_use_weights(tokenizer, examples, encoded, y, weight):
     return weights.to(y.device)
 
 
-def weighted_step(model, optimizer, x, y, weights, device, precision, lr):
+def weighted_step(model, optimizer, x, y, weights, device, precision, lr, micro_batch=None):
     """train.py's training step with each target's loss weighed: a weighted mean over the targets."""
-    with autocast(device, precision):
-        logits, _ = model(x)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="none")
-    weights = weights.flatten() * (y.flatten() >= 0)
-    loss = (losses * weights).sum() / weights.sum()
-    optimizer_step(model, optimizer, loss, lr)
-    return loss.item()
+    weights = weights * (y >= 0)
+
+    def weighted_mean_loss(rows):
+        with autocast(device, precision):
+            logits, _ = model(x[rows])
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), y[rows].flatten(), ignore_index=-1, reduction="none")
+        return (losses * weights[rows].flatten()).sum() / weights[rows].sum()
+    return accumulated_step(model, optimizer, weighted_mean_loss, weights, lr, micro_batch)
 
 
 def plain_windows(tokens, rng, count):
@@ -244,6 +253,7 @@ def main():
     parser.add_argument("--seed", type=int, default=SEED,
                         help=f"the training seed: the order of the stories, the words asked, the replay, the dropout "
                              f"(default {SEED}; the held-back instructions are the same for every seed)")
+    add_micro_batch(parser)
     args = parse_training_args(parser)
     plain_rows = round(args.plain_share * BATCH)  # plain stories in each batch, the rest instructions
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
@@ -255,14 +265,17 @@ def main():
     folder = CHECKPOINTS / name
     check_writable(folder, RUNS / name)  # now, not when the model is saved
 
-    device = pick_device(args.device)
+    # One process, or under torchrun this process's device, each taking its rows of a batch (distributed.py).
+    device = distributed.setup(args.device, BATCH, "examples of a batch")
     precision = args.precision or default_precision(device)
-    settings = run_settings(args, globals(), device=str(device), precision=precision)
+    settings = run_settings(args, globals(), device=str(device), precision=precision, processes=distributed.world())
     print(json.dumps(settings))
     tokenizer = load_tokenizer()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(distributed.seed(args.seed))  # under torchrun, each process its own dropout
     model = load_checkpoint(CHECKPOINTS / "pretrain", device, tokenizer)
     optimizer = make_optimizer(model, args.lr)
+    # Under torchrun, DDP averages the processes' gradients at each step; in one process, the model itself.
+    ddp_model = distributed.wrap(model)
 
     # Shuffle once with the series' seed, whatever the run's: the last HELD_BACK examples measure the
     # instruction loss, the same ones for every run (bench/instruction_probe.py reads them too).
@@ -279,10 +292,11 @@ def main():
           f"{len(held_back)} held back, {cut} of which are longer than {MAX_LENGTH} tokens and cut there")
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
     pad = tokenizer.eot  # any token: padding is never a target
-    writer = SummaryWriter(RUNS / name)
+    writer = SummaryWriter(RUNS / name) if distributed.is_main() else distributed.NoWriter()
     writer.add_text("settings", json.dumps(settings, indent=1), 0)
     step = 0
 
+    @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it
     def evaluate_and_save(save=True):
         losses = {"instructions": instruction_loss(model, held_back, pad, device, precision),
                   "plain": valid_loss(model, valid_tokens, device, precision)}
@@ -307,7 +321,7 @@ def main():
     epoch, position, asks = 0, 0, a_pass(rng, len(tune_stories), args.asks, 0, args.seed)
     started = time.time()
     while True:
-        progress = budget_used(time.time() - started, args.minutes, step, args.steps)
+        progress = budget_used(distributed.seconds_since(started), args.minutes, step, args.steps)
         if progress >= 1.0:
             break
         # Go through the stories in a new order each epoch, each asked for other words it uses (24, or
@@ -324,10 +338,10 @@ def main():
         # The loss on the stories' tokens only, and the update it asks for.
         lr = learning_rate(step, progress, args.lr, MIN_LR, WARMUP)
         if args.first_use_weight == 1:
-            loss = train_step(model, optimizer, x, y, device, precision, lr)
+            loss = train_step(ddp_model, optimizer, x, y, device, precision, lr, args.micro_batch)
         else:
             weights = first_use_weights(tokenizer, examples, batch, y, args.first_use_weight)
-            loss = weighted_step(model, optimizer, x, y, weights, device, precision, lr)
+            loss = weighted_step(ddp_model, optimizer, x, y, weights, device, precision, lr, args.micro_batch)
         step += 1
         if step % 10 == 0:
             writer.add_scalar("loss/train", loss, step)
@@ -337,6 +351,7 @@ def main():
             evaluate_and_save()
     evaluate_and_save()
     writer.close()
+    distributed.end()
     print(f"done: {step} steps, {(time.time() - started) / 60:.1f} minutes; the model is in {folder}/model.pt")
 
 

@@ -31,7 +31,13 @@ Where this departs from the paper and from the frameworks:
   the options: --lr defaults to PPO's learning rate, ppo.LR, which is how GRPO trains at
   PPO's rate.
 
+Under torchrun (as TRL runs GRPO on several GPUs; distributed.py): each process writes its
+share of the 16 groups and gets the whole rollout back, so the advantages come from whole
+groups as here; each takes its share of every minibatch, DDP averaging the gradients, so
+an update is one process's on the same stories. Rank 0 alone logs, evaluates and saves.
+
     python grpo.py --minutes 10 --kl 0.05
+    torchrun --standalone --nproc_per_node 2 grpo.py --minutes 10 --kl 0.05
 """
 import copy
 import json
@@ -41,8 +47,9 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
-from devices import autocast, default_precision, pick_device
+from devices import autocast, default_precision
 from dpo import evaluate
 from evaluate import load_instructions, words_used
 from files import check_writable
@@ -64,10 +71,12 @@ def rollout(policy, tokenizer, asks, rng, seed):
     tokens, and their rewards, group after group."""
     device = next(policy.parameters()).device
     picked = [asks[i] for i in rng.choice(len(asks), PROMPTS, replace=False)]
+    # Under torchrun, every process draws the same 16 and writes its own share of the groups.
+    picked = picked[distributed.my_rows(PROMPTS)]
     # A group: one instruction, written for eight times, so its stories can be scored against each other.
     prompts = [torch.tensor([tokens], device=device).repeat(GROUP, 1) for tokens, _ in picked]
     # Temperature 1 and no top-k, as in PPO: the update compares probabilities with the full distribution.
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(distributed.seed(seed))
     outs = generate(policy, prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
     asked, stories, rewards = [], [], []
     for (tokens, words), out in zip(picked, outs):
@@ -77,7 +86,8 @@ def rollout(policy, tokenizer, asks, rng, seed):
             asked.append(tokens)
             stories.append(story)
             rewards.append(words_used(tokenizer.decode(story), words))
-    return asked, stories, rewards
+    # Under torchrun, every process gets the whole rollout back, the groups in the order one process writes them.
+    return distributed.gather(asked), distributed.gather(stories), distributed.gather(rewards)
 
 
 def group_advantages(rewards):
@@ -106,10 +116,12 @@ def grpo_loss(new, old, ref, advantages, mask, kl):
 
 def main():
     args = parse_rl_args(rl_parser("Train the fine-tuned model with GRPO against the words-used reward.", LR))
-    device = pick_device(args.device)
+    # One process, or under torchrun this process's device, each writing its share of the groups (distributed.py).
+    device = distributed.setup(args.device, PROMPTS, "instructions of a rollout")
     precision = args.precision or default_precision(device)
     name = run_name(args, LR)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
-    settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision)
+    settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision,
+                            processes=distributed.world())
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -132,9 +144,12 @@ def main():
     if args.resume:
         made_by = resume(folder, policy, optimizer, rng)["made_by"]
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
-    writer = SummaryWriter(RUNS / "grpo" / name)
+    # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
+    ddp_policy = distributed.wrap(policy)
+    writer = SummaryWriter(RUNS / "grpo" / name) if distributed.is_main() else distributed.NoWriter()
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
+    @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it
     def evaluate_and_save():
         evaluate(policy, tokenizer, instructions, writer, rollout_count, unit="rollout")
         save_rollout(folder, rollout_count, time.time() - start, policy, tokenizer, optimizer, rng, settings)
@@ -142,7 +157,7 @@ def main():
     budget, start = args.minutes * 60, time.time() - seconds
     if not args.resume:
         evaluate_and_save()  # rollout 0: the fine-tuned model, before any training
-    while time.time() - start < budget and rollout_count < args.rollouts:
+    while distributed.seconds_since(start) < budget and rollout_count < args.rollouts:
         # 16 groups of 8 stories, packed into one padded batch with a mask over the stories' tokens;
         # written with the update's precision, as bf16 writes faster where it multiplies faster.
         with autocast(device, precision):
@@ -153,19 +168,24 @@ def main():
         advantages, tied = group_advantages(rewards)
         # With no gradients: the log-probabilities of the policy that wrote the stories, which
         # the ratio compares against, and the reference's, for the KL. No values: no critic.
+        # (Under torchrun, each process computes its own rows', and gets them all back.)
+        mine = distributed.my_rows(len(x))
         with torch.no_grad(), autocast(device, precision):
-            old = token_logprobs(policy, x, y)
-            ref = token_logprobs(reference, x, y)
+            old = distributed.gather(token_logprobs(policy, x[mine], y[mine]))
+            ref = distributed.gather(token_logprobs(reference, x[mine], y[mine]))
 
         # The update is PPO's: two passes over the rollout, in shuffled minibatches of 16 stories.
         stats = []
         for epoch in range(EPOCHS):
             for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+                # Under torchrun, every process draws the same minibatches, and takes its share of each.
+                mine = rows[distributed.my_rows(len(rows))]
                 with autocast(device, precision):
-                    new = token_logprobs(policy, x[rows], y[rows])
-                loss, ratio = grpo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], args.kl)
+                    new = token_logprobs(ddp_policy, x[mine], y[mine])
+                loss, ratio = grpo_loss(new, old[mine], ref[mine], advantages[mine], mask[mine], args.kl)
                 # PPO's step: zero the gradients, backward, clip them at 1, and the optimiser's step.
                 optimizer_step(policy, optimizer, loss, args.lr)
+                ratio = distributed.gather(ratio)  # the whole minibatch's, for the figures
                 stats.append(clip_stats(ratio, advantages[rows, None].expand_as(ratio), mask[rows], CLIP))
 
         # How far the policy that wrote this rollout had drifted, as in PPO: KL per story, summed over tokens.

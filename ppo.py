@@ -43,7 +43,14 @@ scripts do around their loop (the options, the figures logged under TRL's names,
 checkpoints, --resume and the end of a run) is rl.py's. The evaluation is DPO's
 (dpo.evaluate: the held-out words and the demo story), counted in rollouts.
 
+Under torchrun (distributed.py): each process writes its share of the 16 batches and gets
+the whole rollout back, so the whitening is over the whole rollout's tokens; each takes its
+share of every minibatch, its losses counted by its share of the minibatch's story tokens,
+so that DDP's average of the gradients is one process's update. Rank 0 alone logs,
+evaluates and saves.
+
     python ppo.py --minutes 10 --kl 0.05
+    torchrun --standalone --nproc_per_node 2 ppo.py --minutes 10 --kl 0.05
 """
 import copy
 import json
@@ -54,8 +61,9 @@ import torch
 import torch.nn as nn
 from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
-from devices import autocast, default_precision, pick_device
+from devices import autocast, default_precision
 from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
 from files import check_writable
@@ -85,9 +93,11 @@ def rollout(policy, tokenizer, asks, rng, seed):
     batches = []
     for length in rng.choice(lengths, BATCHES):
         batches.append([asks[length][i] for i in rng.choice(len(asks[length]), PER_BATCH, replace=False)])
+    # Under torchrun, every process draws the same 16 batches and writes its own share of them.
+    batches = batches[distributed.my_rows(BATCHES)]
     prompts = [torch.tensor([tokens for tokens, _ in batch], device=device) for batch in batches]
     # Temperature 1 and no top-k: the update compares probabilities with the full distribution.
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(distributed.seed(seed))
     outs = generate(policy, prompts, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
     asked, stories, rewards = [], [], []
     for batch, out in zip(batches, outs):
@@ -96,7 +106,8 @@ def rollout(policy, tokenizer, asks, rng, seed):
             asked.append(tokens)
             stories.append(story)
             rewards.append(words_used(tokenizer.decode(story), words))
-    return asked, stories, rewards
+    # Under torchrun, every process gets the whole rollout back, in the order one process writes it.
+    return distributed.gather(asked), distributed.gather(stories), distributed.gather(rewards)
 
 
 def pack(prompts, stories, pad, device):
@@ -146,10 +157,12 @@ def value_loss(values, rewards, mask):
 
 def main():
     args = parse_rl_args(rl_parser("Train the fine-tuned model with PPO against the words-used reward.", LR))
-    device = pick_device(args.device)
+    # One process, or under torchrun this process's device, each writing its share of the batches (distributed.py).
+    device = distributed.setup(args.device, BATCHES, "batches of a rollout")
     precision = args.precision or default_precision(device)
     name = run_name(args, LR)
-    settings = run_settings(args, globals(), script="ppo.py", device=str(device), precision=precision)
+    settings = run_settings(args, globals(), script="ppo.py", device=str(device), precision=precision,
+                            processes=distributed.world())
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -177,9 +190,12 @@ def main():
         checkpoint = resume(folder, policy, optimizer, rng)
         critic.load_state_dict(checkpoint["critic"])
         rollout_count, seconds = checkpoint["made_by"]["rollout"], checkpoint["made_by"]["seconds"]
-    writer = SummaryWriter(RUNS / "ppo" / name)
+    # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
+    ddp_policy, ddp_critic = distributed.wrap(policy), distributed.wrap(critic)
+    writer = SummaryWriter(RUNS / "ppo" / name) if distributed.is_main() else distributed.NoWriter()
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
+    @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it
     def evaluate_and_save():
         evaluate(policy, tokenizer, instructions, writer, rollout_count, unit="rollout")
         save_rollout(folder, rollout_count, time.time() - start, policy, tokenizer, optimizer, rng, settings,
@@ -188,7 +204,7 @@ def main():
     budget, start = args.minutes * 60, time.time() - seconds
     if not args.resume:
         evaluate_and_save()  # rollout 0: the fine-tuned model, before any training
-    while time.time() - start < budget and rollout_count < args.rollouts:
+    while distributed.seconds_since(start) < budget and rollout_count < args.rollouts:
         # The policy writes 128 stories, and the reward scores them; in the update's precision,
         # as bf16 writes faster where it multiplies faster.
         with autocast(device, precision):
@@ -197,11 +213,14 @@ def main():
         R = torch.tensor(rewards, device=device)
         # With no gradients: the log-probabilities of the policy that wrote the stories, the
         # critic's guess at each token, and the reference's log-probabilities, for the KL.
+        # (Under torchrun, each process computes its own rows', and gets them all back.)
+        mine = distributed.my_rows(len(x))
         with torch.no_grad():
             with autocast(device, precision):
-                old, channels = token_logprobs(policy, x, y, hidden=True)
-                ref = token_logprobs(reference, x, y)
+                old, channels = token_logprobs(policy, x[mine], y[mine], hidden=True)
+                ref = token_logprobs(reference, x[mine], y[mine])
             values = critic(channels.float()).squeeze(-1)
+            old, ref, values = (distributed.gather(tensor) for tensor in (old, ref, values))
         # Each token's advantage: the story's reward, minus what the critic expected there;
         # whitened, so the objective weighs against the KL penalty on one scale, whatever the rewards'.
         advantages = whiten((R[:, None] - values) * mask, mask)
@@ -210,14 +229,20 @@ def main():
         stats = []
         for epoch in range(EPOCHS):
             for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+                # Under torchrun, every process draws the same minibatches, and takes its share of each.
+                mine = rows[distributed.my_rows(len(rows))]
                 with autocast(device, precision):
-                    new, channels = token_logprobs(policy, x[rows], y[rows], hidden=True)
-                values_now = critic(channels.detach().float()).squeeze(-1)
-                policy_loss, ratio = ppo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], args.kl)
-                critic_loss = value_loss(values_now, R[rows], mask[rows])
+                    new, channels = token_logprobs(ddp_policy, x[mine], y[mine], hidden=True)
+                values_now = ddp_critic(channels.detach().float()).squeeze(-1)
+                policy_loss, ratio = ppo_loss(new, old[mine], ref[mine], advantages[mine], mask[mine], args.kl)
+                critic_loss = value_loss(values_now, R[mine], mask[mine])
+                # Both are means over the story tokens: under torchrun, counted by this process's
+                # share of the minibatch's, so that DDP's average is their mean over all of them.
+                share = distributed.share(mask[mine], mask[rows])
                 # One step for both: the policy's loss and the critic's error, at VALUE_WEIGHT.
-                optimizer_step(trained, optimizer, policy_loss + VALUE_WEIGHT * critic_loss, args.lr)
-                stats.append({"value_loss": critic_loss.item(), **clip_stats(ratio, advantages[rows], mask[rows], CLIP)})
+                optimizer_step(trained, optimizer, (policy_loss + VALUE_WEIGHT * critic_loss) * share, args.lr)
+                stats.append({"value_loss": distributed.mean(critic_loss.item() * share),
+                              **clip_stats(distributed.gather(ratio), advantages[rows], mask[rows], CLIP)})
 
         # How far the policy that wrote this rollout had drifted: its KL per story, summed over tokens.
         r = ref - old

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import distributed
 from checkpoints import read_checkpoint, save_checkpoint
 from data import SEED
 
@@ -97,7 +98,8 @@ def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, se
 
 def resume(folder, policy, optimizer, rng):
     """Loads the run's last rollout checkpoint into policy, optimizer and random state;
-    returns the checkpoint, whose made_by holds the rollouts and seconds so far."""
+    returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
+    torchrun every process loads the same one, and goes on drawing what the others draw."""
     saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
@@ -113,11 +115,13 @@ def resume(folder, policy, optimizer, rng):
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
     """The end of a run: the final model measured (if the last rollout wasn't), the writer
-    closed, and the model saved in the run's folder."""
+    closed, and the model saved in the run's folder (by rank 0 alone, under torchrun)."""
     if rollout % EVAL_EVERY:
         evaluate_and_save()
     writer.close()
     seconds = time.time() - start
     made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
-    save_checkpoint(folder, policy, tokenizer, made_by)
+    if distributed.is_main():
+        save_checkpoint(folder, policy, tokenizer, made_by)
+    distributed.end()
     print(f"done: {rollout} rollouts, {seconds / 60:.1f} minutes; the model is in {folder}/model.pt")

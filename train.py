@@ -15,7 +15,15 @@ decay follows the steps instead, so that any machine makes the same model, a fas
 sooner, and the minutes are only a cap. With --resume it goes on from its last checkpoint, on the
 schedule it started with (its --minutes and --steps, and the minutes already trained).
 
+Under torchrun (several GPUs, or several processes on the CPU; distributed.py, which a learner
+may skip) each process takes its own rows of each batch and DDP averages their gradients, so
+a step is the same step, on the same 16 windows, whatever the number of processes; rank 0
+alone logs, validates and saves. --micro-batch N puts a process's rows through the model N
+at a time, their gradients adding up (gradient accumulation): the same steps in less memory,
+for a larger model than the series'.
+
     python train.py --minutes 60
+    torchrun --standalone --nproc_per_node 2 train.py --minutes 60
 """
 import argparse
 import json
@@ -26,9 +34,10 @@ import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, read_checkpoint, run_settings, save_checkpoint
 from data import SEED
-from devices import autocast, default_precision, pick_device
+from devices import autocast, default_precision
 from files import DATA, check_made, check_writable
 from model import GPT, Config
 from tokenizer import encode_prompt, load_tokenizer
@@ -64,7 +73,17 @@ def parse_training_args(parser):
         parser.error("--minutes and --steps must be positive (and --minutes a number)")
     if vars(args).get("seed", 0) < 0:  # finetune.py and dpo.py add --seed; numpy's generators take none below 0
         parser.error("--seed must be 0 or more")
+    if vars(args).get("micro_batch") is not None and args.micro_batch < 1:  # train.py and finetune.py add it
+        parser.error("--micro-batch must be 1 or more")
     return args
+
+
+def add_micro_batch(parser):
+    """--micro-batch, for pretraining and fine-tuning."""
+    parser.add_argument("--micro-batch", type=int, metavar="ROWS",
+                        help="rows of a batch a process puts through the model at once, the gradients of its "
+                             "pieces adding up to the same step (gradient accumulation, for less memory; default: "
+                             "all its rows)")
 
 
 def budget_used(seconds, minutes, step, steps):
@@ -145,36 +164,63 @@ def make_optimizer(model, lr=LR):
 
 def optimizer_step(model, optimizer, loss, lr):
     """The gradients of loss, their norm clipped at CLIP, and one update at learning rate lr."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    update(model, optimizer, lr)
+
+
+def update(model, optimizer, lr):
+    """One update at learning rate lr, with the gradients there are, their norm clipped at CLIP."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     optimizer.step()
 
 
-def train_step(model, optimizer, x, y, device, precision, lr):
+def train_step(model, optimizer, x, y, device, precision, lr, micro_batch=None):
     """One step: the loss of predicting every target, and the update it asks for."""
-    with autocast(device, precision):
-        _, loss = model(x, y)
-    optimizer_step(model, optimizer, loss, lr)
-    return loss.item()
+    def mean_loss(rows):
+        with autocast(device, precision):
+            _, loss = model(x[rows], y[rows])
+        return loss
+    return accumulated_step(model, optimizer, mean_loss, y >= 0, lr, micro_batch)
+
+
+def accumulated_step(model, optimizer, mean_loss, counted, lr, micro_batch=None):
+    """One update from a batch's mean loss over its counted targets (a mask, or weights),
+    mean_loss(rows) being the mean over some of its rows. The rows go through the model in
+    pieces: under torchrun each process takes its own rows of the batch, and with micro_batch
+    it takes them that many at a time (distributed.pieces). Each piece's mean counts by its
+    share of the batch's targets, and its gradients add up to the others', so the update, and
+    the loss it returns, are the whole batch's, whatever the processes and pieces."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = 0.0
+    for rows, share, syncing in distributed.pieces(model, counted, micro_batch):
+        with syncing:  # under DDP, the processes' gradients are averaged once, at the last piece
+            piece = mean_loss(rows) * share
+            piece.backward()
+        loss += piece.item()
+    update(model, optimizer, lr)
+    return distributed.mean(loss)
 
 
 def main():
     parser = training_parser("Pretrain the GPT on the train stories.", minutes=60)
     parser.add_argument("--resume", action="store_true", help="go on from checkpoints/pretrain/model.pt")
+    add_micro_batch(parser)
     args = parse_training_args(parser)
     folder = CHECKPOINTS / "pretrain"
     check_writable(folder, RUNS / "pretrain")  # now, not when the first checkpoint is saved
 
-    device = pick_device(args.device)
+    # One process, or under torchrun this process's device, each taking its rows of a batch (distributed.py).
+    device = distributed.setup(args.device, BATCH, "windows of a batch")
     precision = args.precision or default_precision(device)
     tokenizer = load_tokenizer()
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
 
-    # A new model, or the last checkpoint with its optimizer, step and time so far.
-    torch.manual_seed(SEED)
+    # A new model, or the last checkpoint with its optimizer, step and time so far. (Under
+    # torchrun, each process its own seed for its dropout; DDP gives them all rank 0's weights.)
+    torch.manual_seed(distributed.seed(SEED))
     step, elapsed = 0, 0.0
     if args.resume:
         model = load_checkpoint(folder, device, tokenizer)
@@ -197,11 +243,15 @@ def main():
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
         optimizer = make_optimizer(model)
         print(f"model: {model.parameter_count() / 1e6:.2f}M parameters")
-    settings = run_settings(args, globals(), device=str(device), precision=precision)
+    settings = run_settings(args, globals(), device=str(device), precision=precision,
+                            processes=distributed.world())
     print(json.dumps(settings))
-    writer = SummaryWriter(RUNS / "pretrain")
+    # Under torchrun, DDP averages the processes' gradients at each step; in one process, the model itself.
+    ddp_model = distributed.wrap(model)
+    writer = SummaryWriter(RUNS / "pretrain") if distributed.is_main() else distributed.NoWriter()
     writer.add_text("settings", json.dumps(settings, indent=1), step)
 
+    @distributed.on_rank_0  # under torchrun, rank 0 alone validates and saves, the others waiting for it
     def validate_and_save():
         loss = valid_loss(model, valid_tokens, device, precision)
         story = demo_story(model, tokenizer, "Once upon a time", seed=step)
@@ -217,14 +267,14 @@ def main():
     started = time.time() - elapsed
     interval_start, interval_tokens = time.time(), 0
     while True:
-        elapsed = time.time() - started
+        elapsed = distributed.seconds_since(started)
         progress = budget_used(elapsed, args.minutes, step, args.steps)
         if progress >= 1.0:
             break
         # Predict every next token of a batch of windows, and move the weights.
         lr = learning_rate(step, progress)
         x, y = random_batch(train_tokens, rng, device)
-        loss = train_step(model, optimizer, x, y, device, precision, lr)
+        loss = train_step(ddp_model, optimizer, x, y, device, precision, lr, args.micro_batch)
         step += 1
         interval_tokens += x.numel()
 
@@ -243,6 +293,7 @@ def main():
     elapsed = time.time() - started
     validate_and_save()
     writer.close()
+    distributed.end()
     print(f"done: {step} steps, {elapsed / 60:.1f} minutes; the model is in {folder}/model.pt")
 
 

@@ -1,0 +1,257 @@
+"""Pretraining, PPO and GRPO on several processes: torchrun with two processes on the CPU
+(gloo), against one process on the same examples. torchrun runs tests/launch.py, which
+patches a script as the tests patch it in one process (the tiny model, short stories), then
+runs its main()."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed
+import finetune
+import grpo
+import launch
+import ppo
+import train
+from checkpoints import read_checkpoint
+from model import GPT, TINY, Config
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+OPTIONS = ["--device", "cpu", "--precision", "fp32"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Each test's own runs on one thread, as torchrun gives each of its processes: tiny passes
+    on two threads of a busy 2-core CPU ran up to 7 times as slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def learner(workspace, folder):
+    """A learner's folder of its own: the workspace's data and fine-tuned model, nothing else."""
+    shutil.copytree(workspace / "data", folder / "data")
+    shutil.copytree(workspace / "checkpoints" / "finetune", folder / "checkpoints" / "finetune")
+    return folder
+
+
+def in_one_process(folder, monkeypatch, script, *args, **environment):
+    """`python tests/launch.py SCRIPT ARGS`, in this process: patched the same way."""
+    launch.patch(monkeypatch.setattr, environment)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *args, *OPTIONS])
+    script.main()
+
+
+def torchrun(folder, processes, script, *args, wait=True, **environment):
+    """`torchrun --standalone --nproc_per_node N tests/launch.py SCRIPT ARGS` in folder; each
+    checkpoint saved is written down in saves.txt with its rank, and each process leaves its
+    weights in rank-N.pt at the end."""
+    command = [*TORCHRUN, "--nproc_per_node", str(processes), str(Path(launch.__file__)), script, *args, *OPTIONS]
+    environment = {**os.environ, "SAVES": str(folder / "saves.txt"), "RANKS": str(folder), **environment}
+    if not wait:
+        errors = open(folder / "errors.txt", "w")
+        return subprocess.Popen(command, cwd=folder, env=environment, stdout=subprocess.DEVNULL, stderr=errors)
+    return subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
+
+
+def succeeded(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def assert_same_model(got, expected):
+    """The same weights, up to the order of float additions, which Adam's steps (each about the
+    learning rate, whatever the gradient's size) grow to a few millionths: 7e-6 after GRPO's
+    16 steps at 3e-3. (Optimizer states, where a test has them, are checked more closely.)"""
+    assert got.keys() == expected.keys()  # the model's own names: no "module." of DDP's wrapper
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=2e-5, msg=name)
+
+
+def assert_the_ranks_agree(folder, processes=2):
+    """Each process ended with the weights and optimizer of the others: they never parted ways."""
+    ranks = [torch.load(folder / f"rank-{rank}.pt", weights_only=True) for rank in range(processes)]
+    for rank in ranks[1:]:
+        for name, weights in ranks[0]["model"].items():
+            assert torch.equal(rank["model"][name], weights), name
+        for number, state in ranks[0]["optimizer"]["state"].items():
+            assert all(torch.equal(rank["optimizer"]["state"][number][key], value) for key, value in state.items())
+
+
+def saved_by(folder):
+    """The checkpoints each rank saved: {rank: [file names]}."""
+    saves = {}
+    for line in (folder / "saves.txt").read_text().splitlines():
+        rank, name = re.fullmatch(r"rank (\d+) saved \.(.+)\.\d+\.tmp", line).groups()
+        saves.setdefault(int(rank), []).append(name)
+    return saves
+
+
+def test_pretraining_on_two_processes_takes_one_process_s_steps(workspace, tmp_path, monkeypatch, capsys):
+    one, two = learner(workspace, tmp_path / "one"), learner(workspace, tmp_path / "two")
+    in_one_process(one, monkeypatch, train, "--steps", "10")
+    expected_out = capsys.readouterr().out
+    # Two processes, each taking its 8 windows of the batch 3 at a time (gradient accumulation).
+    out = succeeded(torchrun(two, 2, "train", "--steps", "10", "--micro-batch", "3"))
+    expected, got = read_checkpoint(one / "checkpoints" / "pretrain"), read_checkpoint(two / "checkpoints" / "pretrain")
+    assert_same_model(got["model"], expected["model"])
+    for number, state in expected["optimizer"]["state"].items():  # the gradients' scale too, which Adam's step hides
+        torch.testing.assert_close(got["optimizer"]["state"][number]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-7)
+    assert got["made_by"]["settings"]["processes"] == 2 and expected["made_by"]["settings"]["processes"] == 1
+    assert_the_ranks_agree(two)
+    # Rank 0 alone saves, logs to TensorBoard and prints.
+    assert saved_by(two) == {0: ["model.pt"]}
+    assert len(list((two / "runs" / "pretrain").iterdir())) == 1
+    assert out.count("step 10: valid loss") == 1 and out.count("model: ") == 1
+    # The loss logged is the whole batch's, gathered from the processes.
+    loss = re.compile(r"step 10: loss ([0-9.]+)")
+    assert float(loss.search(out)[1]) == pytest.approx(float(loss.search(expected_out)[1]), abs=2e-3)
+
+
+def test_a_grpo_rollout_on_two_processes_updates_the_policy_as_one_process_does(workspace, tmp_path, monkeypatch,
+                                                                                capsys):
+    one, two = learner(workspace, tmp_path / "one"), learner(workspace, tmp_path / "two")
+    # The same stories in both runs: each group's drawn with a seed of its instruction's, whoever writes it.
+    in_one_process(one, monkeypatch, grpo, "--rollouts", "1", "--lr", "3e-3", STORIES_BY_PROMPT="1")
+    expected_out = capsys.readouterr().out
+    out = succeeded(torchrun(two, 2, "grpo", "--rollouts", "1", "--lr", "3e-3", STORIES_BY_PROMPT="1"))
+    folder = Path("checkpoints") / "grpo" / "kl-0.05-lr-0.003"
+    assert_same_model(read_checkpoint(two / folder)["model"], read_checkpoint(one / folder)["model"])
+    assert_the_ranks_agree(two)
+    # The figures of the whole rollout, gathered from both processes: the reward, the KL, the ties.
+    line = re.compile(r"rollout 1: reward .* tied groups")
+    assert line.findall(out) == line.findall(expected_out) and len(line.findall(out)) == 1
+    assert saved_by(two) == {0: ["rollout-0.pt", "rollout-1.pt", "model.pt"]}
+    assert len(list((two / "runs" / folder.relative_to("checkpoints")).iterdir())) == 1
+
+
+def process_tree(pid):
+    """pid and every process it started, and theirs (Linux: from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        if parent == pid:
+            children.append(int(stat.parent.name))
+    return [pid] + [p for child in children for p in process_tree(child)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's processes in /proc")
+def test_a_killed_torchrun_run_of_ppo_resumes_and_ends_as_one_process_does(workspace, tmp_path, monkeypatch):
+    one, two = learner(workspace, tmp_path / "one"), learner(workspace, tmp_path / "two")
+    checkpoints = Path("checkpoints") / "ppo" / "kl-0.05"
+    run = torchrun(two, 2, "ppo", "--minutes", "5", wait=False, EVAL_EVERY="1", STORIES_BY_PROMPT="1")
+    deadline = time.time() + 120
+    while not (two / checkpoints / "rollout-1.pt").exists():
+        assert run.poll() is None, (two / "errors.txt").read_text()[-3000:]
+        assert time.time() < deadline, "no rollout-1.pt after 120 s"
+        time.sleep(0.05)
+    # torchrun starts each process in a session of its own: kill them all, not torchrun's group alone.
+    for pid in process_tree(run.pid):
+        os.kill(pid, signal.SIGKILL)
+    run.wait()
+    last = max(int(p.stem.split("-")[1]) for p in (two / checkpoints).glob("rollout-*.pt"))
+    out = succeeded(torchrun(two, 2, "ppo", "--resume", "--rollouts", str(last + 1), EVAL_EVERY="1",
+                             STORIES_BY_PROMPT="1"))
+    assert f"rollout {last}, " in out and out.count("resuming") == 1
+    assert re.findall(r"rollout (\d+): reward", out) == [str(last + 1)]
+    # Both processes took up the checkpoint (weights, critic, optimizer, random state) and went
+    # on together, to the model that one process makes in one go.
+    assert_the_ranks_agree(two)
+    assert set(saved_by(two)) == {0}
+    in_one_process(one, monkeypatch, ppo, "--rollouts", str(last + 1), EVAL_EVERY="1", STORIES_BY_PROMPT="1")
+    expected, got = read_checkpoint(one / checkpoints / f"rollout-{last + 1}.pt"), read_checkpoint(two / checkpoints)
+    assert got["made_by"]["rollout"] == last + 1
+    assert_same_model(got["model"], expected["model"])
+    assert_same_model(read_checkpoint(two / checkpoints / f"rollout-{last + 1}.pt")["critic"], expected["critic"])
+
+
+def test_three_processes_are_refused_in_one_line_as_they_cannot_share_16_instructions(workspace, tmp_path,
+                                                                                      monkeypatch):
+    # As torchrun --nproc_per_node 3 starts the processes: the first says why, the others stop without a word.
+    folder = learner(workspace, tmp_path)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    for rank, said in (("0", "3 processes can't take equal shares of the 16 instructions of a rollout: "
+                                "run 1, 2, 4, 8 or 16 of them"), ("1", 1)):
+        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as stopped:
+            in_one_process(folder, monkeypatch, grpo, "--rollouts", "1")
+        assert stopped.value.code == said
+    assert not torch.distributed.is_initialized()
+    assert not (tmp_path / "checkpoints" / "grpo").exists()
+
+
+def test_a_missing_backend_is_refused_in_one_line(workspace, tmp_path, monkeypatch):
+    # As torchrun starts the first of two processes, with a build of torch that has no gloo.
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        in_one_process(learner(workspace, tmp_path), monkeypatch, grpo, "--rollouts", "1")
+    assert stopped.value.code == ("torchrun on cpu: this build of torch has no gloo backend to join the processes; "
+                                  "run one process (python grpo.py)")
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("micro_batch", [None, 3])
+def test_the_processes_take_each_row_once_and_their_shares_make_the_batch_s_mean(monkeypatch, micro_batch):
+    # A fine-tuning batch: stories of many lengths, so the processes hold different numbers of
+    # targets, and a mean over each one's would weigh the short stories' tokens more.
+    g = torch.Generator().manual_seed(0)
+    losses = torch.rand(16, 30, generator=g)
+    counted = (torch.arange(30) < torch.randint(2, 30, (16, 1), generator=g)).float()
+    whole = (losses * counted).sum() / counted.sum()
+    for processes in (1, 2, 4):
+        rows, total = [], 0.0
+        for rank in range(processes):
+            monkeypatch.setattr(distributed, "world", lambda: processes)
+            monkeypatch.setattr(distributed, "rank", lambda: rank)
+            for piece, share, _ in distributed.pieces(torch.nn.Linear(1, 1), counted, micro_batch):
+                rows += range(16)[piece]
+                total += (losses[piece] * counted[piece]).sum() / counted[piece].sum() * share
+        assert rows == list(range(16))
+        # What DDP makes of them: the mean of the processes' gradients, here of their losses.
+        assert total / processes == pytest.approx(whole.item(), rel=1e-6)
+
+
+
+def test_each_process_draws_with_a_seed_of_its_own_and_rank_0_with_the_run_s(monkeypatch):
+    seeds = []
+    for rank in range(4):
+        monkeypatch.setattr(distributed, "rank", lambda: rank)
+        seeds.append(distributed.seed(5))
+    assert seeds[0] == 5 and len(set(seeds)) == 4
+
+
+def test_micro_batches_make_the_step_of_the_whole_batch():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 50, (16, 24), generator=g), torch.randint(0, 50, (16, 24), generator=g)
+    y[:, :5] = -1  # prompts and padding, of many lengths
+    y[torch.arange(24) > torch.randint(6, 24, (16, 1), generator=g)] = -1
+    weights = 1 + 9 * (torch.rand(16, 24, generator=g) < 0.1).float()  # first uses counted 10 times
+    for step, extra in ((train.train_step, ()), (finetune.weighted_step, (weights,))):
+        models = []
+        for micro_batch in (None, 3):
+            torch.manual_seed(0)
+            model = GPT(Config(vocab_size=50, **TINY)).eval()  # no dropout
+            optimizer = train.make_optimizer(model)
+            loss = step(model, optimizer, x, y, *extra, "cpu", "fp32", 1e-3, micro_batch)
+            models.append((loss, model.state_dict(), optimizer.state_dict()["state"]))
+        (whole, expected, adam), (pieces, got, adam_pieces) = models
+        assert pieces == pytest.approx(whole, rel=1e-5)
+        assert_same_model(got, expected)
+        for number, state in adam.items():
+            torch.testing.assert_close(adam_pieces[number]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-7)
