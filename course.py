@@ -11,7 +11,9 @@ Each step is one of the series' own commands, run in a new process, and timed. A
 output is already there, and newer than what it is made from, is skipped: running the course
 again goes on where it stopped, and after a step's output is deleted, that step runs again
 and so does each step made from it. The training scripts save their model along the way, so
-a step the course saw interrupted runs again even though its output exists.
+a step the course saw interrupted runs again even though its output exists: pretraining, PPO
+and GRPO go on from their last checkpoint (--resume), the others start over. So a course
+longer than a sitting can be taken in several: stop it (Ctrl-C), run it again later.
 """
 import argparse
 import importlib.util
@@ -78,6 +80,7 @@ class Step:
     output: Path = None  # the file that shows the step is done; None: the step runs every time
     made_from: Path = None  # the earlier step's output that this one is made from
     needs: str = None  # a module the step needs that requirements.txt doesn't install
+    resumes_from: str = None  # the checkpoints, in the output's folder, an interrupted run goes on from (--resume)
 
 
 def training_seeds(count):
@@ -109,7 +112,9 @@ def course(budget, seeds=1, source=None, device=None):
 
     def trained(name, command, folder, made_from):
         """A training step, then the evaluation of the model it made."""
-        return [Step(name, [*command, *device], final(folder), made_from),
+        # Pretraining saves its model with its optimizer, PPO and GRPO each tenth rollout: they can go on.
+        resumes_from = {"train.py": "model.pt", "ppo.py": "rollout-*.pt", "grpo.py": "rollout-*.pt"}.get(command[0])
+        return [Step(name, [*command, *device], final(folder), made_from, resumes_from=resumes_from),
                 Step(f"evaluation of {model_name(folder)}", ["evaluate.py", str(folder), *measure, *device],
                      evaluation(folder), final(folder))]
 
@@ -184,18 +189,39 @@ def save_record(record):
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
+def left_off(step, record):
+    """The minutes an interrupted run of the step had spent up to its last checkpoint, if it
+    can go on from it (--resume), else None. Only a checkpoint saved since the course started
+    the step counts: an older one belongs to another run."""
+    made = record.get(step.name)
+    if not step.resumes_from or not made or made["minutes"] is not None:
+        return None
+    saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
+    if not saved or max(saved) < made["started"]:
+        return None
+    return made.get("before", 0.0) + (max(saved) - made["started"]) / 60
+
+
 def take(step, record):
-    """Runs one step, with a record of it before (so an interruption shows) and after (its minutes)."""
-    command = shown(step.command)
-    print(f"== {step.name}: {command}", flush=True)
-    record[step.name] = {"command": command, "started": time.time(), "minutes": None}
+    """Runs one step, with a record of it before (so an interruption shows) and after (its
+    minutes: with those of the sittings it went on from, if it was interrupted)."""
+    command, before = shown(step.command), left_off(step, record)
+    if before is None:
+        print(f"== {step.name}: {command}", flush=True)
+        record[step.name] = {"command": command, "started": time.time(), "minutes": None}
+    else:
+        print(f"== {step.name}: going on from its last checkpoint, {before:.1f} minutes in: {command} --resume",
+              flush=True)
+        sittings = record[step.name].get("sittings", 1) + 1
+        record[step.name] = {"command": command, "started": time.time(), "minutes": None, "before": before,
+                             "sittings": sittings}
     save_record(record)
     try:
-        run(step.command)
+        run(step.command if before is None else [*step.command, "--resume"])
     except subprocess.CalledProcessError as error:
         raise SystemExit(f"course.py: {step.name} stopped (exit {error.returncode}) in {command}; "
                          "once it is fixed, python course.py goes on from there")
-    record[step.name]["minutes"] = (time.time() - record[step.name]["started"]) / 60
+    record[step.name]["minutes"] = (before or 0.0) + (time.time() - record[step.name]["started"]) / 60
     save_record(record)
 
 
@@ -271,6 +297,8 @@ def report(steps, record, seeds=1):
     for step in steps:
         made_here = record.get(step.name) or {}
         minutes = "not run by the course" if made_here.get("minutes") is None else f"{made_here['minutes']:.1f}"
+        if made_here.get("sittings", 1) > 1:
+            minutes += f", in {made_here['sittings']} sittings"
         lines.append(f"| {step.name} | `{made_here.get('command', shown(step.command))}` | {minutes} |")
     total = sum(record[step.name]["minutes"] or 0 for step in steps if step.name in record)
     lines.append(f"| in all | | {total:.1f} |")

@@ -54,7 +54,7 @@ class Scripts:
 
     def run(self, command):
         self.commands.append(command)
-        output = self.outputs[tuple(command)]
+        output = self.outputs[tuple(command[:-1] if command[-1] == "--resume" else command)]
         if command[0] == "evaluate.py":
             name = course.model_name(Path(command[1]))
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +69,8 @@ class Scripts:
         else:  # a training script saves its model along the way, before it can be interrupted
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_bytes(b"made")
+            if command[0] in ("ppo.py", "grpo.py"):  # and PPO and GRPO their rollouts' checkpoints
+                (output.parent / "rollout-10.pt").write_bytes(b"rollout 10")
         if command[0] == self.fail_at:
             raise self.failure
 
@@ -192,6 +194,50 @@ def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert [c[0] for c in scripts.commands[:3]] == ["finetune.py", "evaluate.py", "preferences.py"]
+
+
+def a_sitting_ten_minutes_before_the_last_checkpoint(learner, name):
+    record = json.loads((learner / course.RECORD).read_text())
+    record[name]["started"] -= 600
+    (learner / course.RECORD).write_text(json.dumps(record))
+
+
+def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_count_every_sitting(
+        learner, monkeypatch, capsys):
+    Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    a_sitting_ten_minutes_before_the_last_checkpoint(learner, "pretraining")
+    # The next sitting: pretraining goes on, and the course runs until GRPO is interrupted in its turn.
+    scripts = Scripts(monkeypatch, fail_at="grpo.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    assert scripts.commands[0] == ["train.py", "--minutes", "3", "--resume"]
+    assert "== pretraining: going on from its last checkpoint, 10.0 minutes in: python train.py --minutes 3 " \
+           "--resume" in capsys.readouterr().out
+    a_sitting_ten_minutes_before_the_last_checkpoint(learner, "GRPO, KL 0.05")
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert scripts.commands[:2] == [["grpo.py", "--minutes", "1", "--kl", "0.05", "--resume"],
+                                    ["evaluate.py", "checkpoints/grpo/kl-0.05", "--valid-windows", "128"]]
+    report = (learner / "report" / "README.md").read_text()
+    assert "| pretraining | `python train.py --minutes 3` | 10.0, in 2 sittings |" in report
+    assert "| GRPO, KL 0.05 | `python grpo.py --minutes 1 --kl 0.05` | 10.0, in 2 sittings |" in report
+    assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
+
+
+def test_an_interrupted_step_starts_over_with_no_checkpoint_of_its_own_sitting(learner, monkeypatch):
+    # Interrupted before it saved anything: the model.pt there is an older run's.
+    (learner / "checkpoints" / "pretrain").mkdir(parents=True)
+    (learner / "checkpoints" / "pretrain" / "model.pt").write_bytes(b"an older run's")
+    age(learner / "checkpoints" / "pretrain" / "model.pt")
+    (learner / "runs").mkdir()
+    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": time.time(),
+                                        "minutes": None}})
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["train.py", "--minutes", "3"] in scripts.commands
+    assert not any("--resume" in command for command in scripts.commands)
 
 
 def test_a_failing_step_stops_the_course_with_one_line(learner, monkeypatch):
