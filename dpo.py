@@ -51,6 +51,7 @@ from kernels import log_softmax_at
 from preferences import load_pairs
 from sample import write
 from tokenizer import encode_prompt, load_tokenizer
+from train import CLIP as GRAD_CLIP  # noqa: F401  optimizer_step's clip, named for the run's settings
 from train import budget_used, learning_rate, optimizer_step, parse_training_args, training_parser
 
 BETA = 0.1  # how far from the reference the preferences may pull the model

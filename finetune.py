@@ -82,6 +82,10 @@ from files import check_writable, read_instructions, read_words
 from tokenizer import encode_prompt, load_tokenizer
 from train import (CONTEXT, accumulated_step, add_micro_batch, budget_used, demo_story, learning_rate, load_tokens,
                    make_optimizer, parse_training_args, train_step, training_parser, valid_loss)
+# Pretraining's optimizer and gradient clip, which make_optimizer and the training step use:
+# named here so that the run's settings record them (run_settings reads the module's constants).
+from train import BETAS, WEIGHT_DECAY  # noqa: F401
+from train import CLIP as GRAD_CLIP  # noqa: F401
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained

@@ -59,6 +59,7 @@ from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resu
                 run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
+from train import CLIP as GRAD_CLIP  # noqa: F401  optimizer_step's clip, named for the run's settings
 from train import optimizer_step
 
 PROMPTS = 16  # instructions per rollout

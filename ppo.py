@@ -35,7 +35,7 @@ Choices of ours, where the usual recipe leaves room:
 - The policy stays in evaluation mode, dropout off, so the update's probabilities match the
   rollout's, and the first minibatch's ratio is exactly 1.
 - Log-probabilities in float32; the matrix products, the writing's and the update's, in
-  bfloat16 where the device does them faster (model.default_precision), as bench/rollout.py
+  bfloat16 where the device does them faster (devices.default_precision), as bench/rollout.py
   measures.
 
 Exported for GRPO: CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs(). What both
@@ -73,6 +73,7 @@ from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resu
                 run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
+from train import CLIP as GRAD_CLIP  # noqa: F401  optimizer_step's clip, named for the run's settings
 from train import optimizer_step
 
 CLIP = 0.2  # how far one rollout may move a token's probability, as a ratio: 0.8 to 1.2

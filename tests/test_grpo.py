@@ -17,6 +17,7 @@ from test_ppo import first_minibatches, recording_the_update, rewards_printed
 import evaluate
 import grpo
 import ppo
+import train
 from checkpoints import read_checkpoint
 from data import instruction
 from tokenizer import encode_prompt
@@ -156,6 +157,7 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     # The constants it ran with, its own and those it takes from PPO and rl.py, as they are.
     assert (settings["group"], settings["prompts"], settings["clip"], settings["epochs"], settings["eval_every"]) == (
         grpo.GROUP, grpo.PROMPTS, grpo.CLIP, grpo.EPOCHS, grpo.EVAL_EVERY)
+    assert settings["grad_clip"] == train.CLIP  # optimizer_step's, from train.py
     assert any((workspace / "runs" / "grpo" / "kl-0.05-lr-0.003").glob("events.out.tfevents.*"))
     assert evaluate.model_name(folder) == "grpo-kl-0.05-lr-0.003"
     assert evaluate.model_name(workspace / "checkpoints" / "grpo" / "kl-0.05") == "grpo-kl-0.05"

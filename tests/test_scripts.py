@@ -81,6 +81,9 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     # Every constant the run used is in its settings, as it was: none typed out by hand to forget.
     for constant in ("EVAL_EVERY", "HELD_BACK", "ALIGN", "TUNE_POOL", "CONTEXT", "MAX_LENGTH", "MIN_LR", "WARMUP"):
         assert made_by["settings"][constant.lower()] == getattr(finetune, constant)
+    # And pretraining's, which its optimizer and training step take from train.py.
+    assert (made_by["settings"]["grad_clip"], made_by["settings"]["weight_decay"], tuple(made_by["settings"]["betas"])) == (
+        train.CLIP, train.WEIGHT_DECAY, train.BETAS)
     kept = sorted(path.name for path in (learner / "checkpoints" / "finetune").glob("step-*.pt"))
     assert kept == ["step-1.pt", "step-2.pt"]
     assert read_checkpoint(learner / "checkpoints" / "finetune" / "step-1.pt")["made_by"]["step"] == 1
