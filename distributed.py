@@ -11,10 +11,10 @@ How a run splits over N processes (docs/torchrun.md):
 - Every process draws the same batch (the same seed, so the same random numbers) and takes
   its own rows of it (my_rows). DDP averages the processes' gradients as backward computes
   them, so one update on N processes is one process's update on the same rows, up to the
-  order of float additions. A loss that is a mean over tokens counts by its share() of the
+  order of float additions (dropout aside: each process draws its own masks). A loss that is a mean over tokens counts by its share() of the
   batch's tokens, so that the average over the processes is the whole batch's mean.
-- PPO and GRPO: every process draws the same 16 instructions, writes its share of the
-  rollout, and gather() gives every process the whole rollout back: the advantages, the
+- PPO and GRPO: every process draws the same rollout's instructions (GRPO's 16, PPO's 16
+  batches of 8), writes its share of them, and gather() gives every process the whole rollout back: the advantages, the
   whitening and the figures logged are then computed as one process computes them.
 - Rank 0 alone prints, logs to TensorBoard, evaluates and saves (on_rank_0, NoWriter); the
   others wait for it. Its clock is everyone's (seconds_since): the learning rate follows
@@ -90,7 +90,8 @@ def setup(device_name, split, what):
                    f"use --nproc_per_node {gpus} or fewer")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    # On a GPU, bound to it from the start (torch 2.3 and later); gloo takes no device.
+    dist.init_process_group(backend, **({"device_id": device} if device.type == "cuda" else {}))
     if not is_main():
         sys.stdout = open(os.devnull, "w")  # one log, rank 0's; errors still show, from every process
     return device

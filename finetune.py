@@ -267,10 +267,9 @@ def main():
                      f"or a share that leaves at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name
-    check_writable(folder, RUNS / name)  # now, not when the model is saved
-
     # One process, or under torchrun this process's device, each taking its rows of a batch (distributed.py).
     device = distributed.setup(args.device, BATCH, "examples of a batch")
+    check_writable(folder, RUNS / name)  # now, not when the model is saved
     precision = args.precision or default_precision(device)
     settings = run_settings(args, globals(), device=str(device), precision=precision, processes=distributed.world())
     print(json.dumps(settings))

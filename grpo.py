@@ -170,17 +170,17 @@ def main():
         # With no gradients: the log-probabilities of the policy that wrote the stories, which
         # the ratio compares against, and the reference's, for the KL. No values: no critic.
         # (Under torchrun, each process computes its own rows', and gets them all back.)
-        mine = distributed.my_rows(len(x))
+        my_stories = distributed.my_rows(len(x))
         with torch.no_grad(), autocast(device, precision):
-            old = distributed.gather(token_logprobs(policy, x[mine], y[mine]))
-            ref = distributed.gather(token_logprobs(reference, x[mine], y[mine]))
+            old = distributed.gather(token_logprobs(policy, x[my_stories], y[my_stories]))
+            ref = distributed.gather(token_logprobs(reference, x[my_stories], y[my_stories]))
 
         # The update is PPO's: two passes over the rollout, in shuffled minibatches of 16 stories.
         stats = []
         for epoch in range(EPOCHS):
             for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
                 # Under torchrun, every process draws the same minibatches, and takes its share of each.
-                mine = rows[distributed.my_rows(len(rows))]
+                mine = rows[distributed.my_rows(len(rows))]  # all of them in one process
                 with autocast(device, precision):
                     new = token_logprobs(ddp_policy, x[mine], y[mine])
                 loss, ratio = grpo_loss(new, old[mine], ref[mine], advantages[mine], mask[mine], args.kl)

@@ -215,11 +215,11 @@ def main():
         # With no gradients: the log-probabilities of the policy that wrote the stories, the
         # critic's guess at each token, and the reference's log-probabilities, for the KL.
         # (Under torchrun, each process computes its own rows', and gets them all back.)
-        mine = distributed.my_rows(len(x))
+        my_stories = distributed.my_rows(len(x))
         with torch.no_grad():
             with autocast(device, precision):
-                old, channels = token_logprobs(policy, x[mine], y[mine], hidden=True)
-                ref = token_logprobs(reference, x[mine], y[mine])
+                old, channels = token_logprobs(policy, x[my_stories], y[my_stories], hidden=True)
+                ref = token_logprobs(reference, x[my_stories], y[my_stories])
             values = critic(channels.float()).squeeze(-1)
             old, ref, values = (distributed.gather(tensor) for tensor in (old, ref, values))
         # Each token's advantage: the story's reward, minus what the critic expected there;
@@ -231,7 +231,7 @@ def main():
         for epoch in range(EPOCHS):
             for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
                 # Under torchrun, every process draws the same minibatches, and takes its share of each.
-                mine = rows[distributed.my_rows(len(rows))]
+                mine = rows[distributed.my_rows(len(rows))]  # all of them in one process
                 with autocast(device, precision):
                     new, channels = token_logprobs(ddp_policy, x[mine], y[mine], hidden=True)
                 values_now = ddp_critic(channels.detach().float()).squeeze(-1)

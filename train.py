@@ -17,7 +17,8 @@ schedule it started with (its --minutes and --steps, and the minutes already tra
 
 Under torchrun (several GPUs, or several processes on the CPU; distributed.py, which a learner
 may skip) each process takes its own rows of each batch and DDP averages their gradients, so
-a step is the same step, on the same 16 windows, whatever the number of processes; rank 0
+a step is the same step, on the same 16 windows, whatever the number of processes (dropout
+aside, each process drawing its own masks); rank 0
 alone logs, validates and saves. --micro-batch N puts a process's rows through the model N
 at a time, their gradients adding up (gradient accumulation): the same steps in less memory,
 for a larger model than the series'.
@@ -209,11 +210,10 @@ def main():
     parser.add_argument("--resume", action="store_true", help="go on from checkpoints/pretrain/model.pt")
     add_micro_batch(parser)
     args = parse_training_args(parser)
-    folder = CHECKPOINTS / "pretrain"
-    check_writable(folder, RUNS / "pretrain")  # now, not when the first checkpoint is saved
-
     # One process, or under torchrun this process's device, each taking its rows of a batch (distributed.py).
     device = distributed.setup(args.device, BATCH, "windows of a batch")
+    folder = CHECKPOINTS / "pretrain"
+    check_writable(folder, RUNS / "pretrain")  # now, not when the first checkpoint is saved
     precision = args.precision or default_precision(device)
     tokenizer = load_tokenizer()
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")

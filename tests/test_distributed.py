@@ -194,6 +194,20 @@ def test_three_processes_are_refused_in_one_line_as_they_cannot_share_16_instruc
     assert not (tmp_path / "checkpoints" / "grpo").exists()
 
 
+@pytest.mark.parametrize("script, folder", [(train, "pretrain"), (finetune, "finetune")])
+def test_pretraining_and_fine_tuning_refuse_three_processes_before_they_make_a_folder(script, folder, workspace,
+                                                                                      tmp_path, monkeypatch):
+    learner(workspace, tmp_path)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(name, value)
+    what = "windows" if script is train else "examples"
+    with pytest.raises(SystemExit, match=f"^3 processes can't take equal shares of the 16 {what} of a batch: "
+                                         "run 1, 2, 4, 8 or 16 of them$"):
+        in_one_process(tmp_path, monkeypatch, script, "--steps", "1")
+    assert not (tmp_path / "runs").exists()  # check_writable makes its folders: it did not run
+    assert (tmp_path / "checkpoints" / folder).exists() == (folder == "finetune")  # the fine-tuned model, copied
+
+
 def test_a_missing_backend_is_refused_in_one_line(workspace, tmp_path, monkeypatch):
     # As torchrun starts the first of two processes, with a build of torch that has no gloo.
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
@@ -225,7 +239,6 @@ def test_the_processes_take_each_row_once_and_their_shares_make_the_batch_s_mean
         assert rows == list(range(16))
         # What DDP makes of them: the mean of the processes' gradients, here of their losses.
         assert total / processes == pytest.approx(whole.item(), rel=1e-6)
-
 
 
 def test_each_process_draws_with_a_seed_of_its_own_and_rank_0_with_the_run_s(monkeypatch):
