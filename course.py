@@ -191,15 +191,16 @@ def save_record(record):
 
 def left_off(step, record):
     """The minutes an interrupted run of the step had spent up to its last checkpoint, if it
-    can go on from it (--resume), else None. Only a checkpoint saved since the course started
-    the step counts: an older one belongs to another run."""
+    can go on from it (--resume), else None. Only a checkpoint saved since the course first
+    started the step counts: an older one belongs to another run. A sitting that saved none
+    adds no minutes: the next goes on from the checkpoint before it."""
     made = record.get(step.name)
     if not step.resumes_from or not made or made["minutes"] is not None:
         return None
     saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
-    if not saved or max(saved) < made["started"]:
+    if not saved or max(saved) < made.get("first_started", made["started"]):
         return None
-    return made.get("before", 0.0) + (max(saved) - made["started"]) / 60
+    return made.get("before", 0.0) + max(0.0, max(saved) - made["started"]) / 60
 
 
 def take(step, record):
@@ -212,9 +213,10 @@ def take(step, record):
     else:
         print(f"== {step.name}: going on from its last checkpoint, {before:.1f} minutes in: {command} --resume",
               flush=True)
-        sittings = record[step.name].get("sittings", 1) + 1
+        made = record[step.name]
         record[step.name] = {"command": command, "started": time.time(), "minutes": None, "before": before,
-                             "sittings": sittings}
+                             "first_started": made.get("first_started", made["started"]),
+                             "sittings": made.get("sittings", 1) + 1}
     save_record(record)
     try:
         run(step.command if before is None else [*step.command, "--resume"])

@@ -226,6 +226,24 @@ def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_co
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
+def test_a_sitting_that_saved_nothing_goes_on_from_the_checkpoint_before_it(learner, monkeypatch):
+    # The first sitting saved a checkpoint 10 minutes in; the second went on from it and was
+    # interrupted before it saved another.
+    now = time.time()
+    (learner / "checkpoints" / "pretrain").mkdir(parents=True)
+    (learner / "checkpoints" / "pretrain" / "model.pt").write_bytes(b"the first sitting's")
+    os.utime(learner / "checkpoints" / "pretrain" / "model.pt", (now - 1000, now - 1000))
+    (learner / "runs").mkdir()
+    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": now - 100,
+                                        "minutes": None, "before": 10.0, "first_started": now - 1600,
+                                        "sittings": 2}})
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["train.py", "--minutes", "3", "--resume"] in scripts.commands
+    assert "| pretraining | `python train.py --minutes 3` | 10.0, in 3 sittings |" in (
+        learner / "report" / "README.md").read_text()
+
+
 def test_an_interrupted_step_starts_over_with_no_checkpoint_of_its_own_sitting(learner, monkeypatch):
     # Interrupted before it saved anything: the model.pt there is an older run's.
     (learner / "checkpoints" / "pretrain").mkdir(parents=True)
