@@ -23,6 +23,16 @@ A file or name that is not there stops the build with a message, so a page can't
 point at code that has gone. (The line is replaced wherever it stands, even in a fenced
 block: a page can't show the directive itself as an example.) The scripts are read with
 Python's ast module: no markers in them, nothing to keep in step by hand.
+
+The same for the series' results: a line of its own
+
+    ::: report models
+
+becomes that table of results/README.md, the report of the series' own run of course.py, as
+course.py wrote it: `steps` (each step's command and minutes), `models` (the table of
+models, each a mean over the training seeds), `video` (the video's figures) or `each` (each
+model on its own). A page that shows the course's figures shows them word for word, and a
+new run of the course changes every page at once. A table that is not there stops the build.
 """
 import ast
 import re
@@ -32,6 +42,11 @@ from mkdocs.exceptions import PluginError
 
 FILE_HEADER = ("#!", "# -*-")  # comment lines that speak for the file, not for the statement below them
 DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*)::: code (?P<file>\S+\.py)(?P<names>(?: +\S+)+) *$", re.MULTILINE)
+REPORT_DIRECTIVE = re.compile(r"^(?P<indent>[ \t]*)::: report (?P<table>\S+) *$", re.MULTILINE)
+REPORT = Path("results") / "README.md"
+# Each table of the report, by a column that only its header has.
+REPORT_TABLES = {"steps": "| minutes |", "models": "| training seeds |", "video": "| KL per story at the end |",
+                 "each": "| uses of a used word |"}
 
 
 def top_level_name(node):
@@ -93,6 +108,31 @@ def excerpt(root, file, names, where):
     return "\n\n".join(parts)
 
 
+def tables(text):
+    """The markdown tables of a text, each as its lines."""
+    found, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+def report_table(root, name, where):
+    """One table of the course's report, by its name in REPORT_TABLES."""
+    if name not in REPORT_TABLES:
+        raise PluginError(f"{where}: no table {name!r}; the report's are {', '.join(REPORT_TABLES)}")
+    path = root / REPORT
+    if not path.is_file():
+        raise PluginError(f"{where}: no {REPORT.as_posix()}")
+    table = next((t for t in tables(path.read_text(encoding="utf-8")) if REPORT_TABLES[name] in t[0]), None)
+    if table is None:
+        raise PluginError(f"{where}: {REPORT.as_posix()} has no table of {name}")
+    return "\n".join(table)
+
+
 def on_page_markdown(markdown, page, config, files):
     root = Path(config.config_file_path).parent
 
@@ -104,11 +144,16 @@ def on_page_markdown(markdown, page, config, files):
         block = [f'{fence}python title="{file}"', *code.splitlines(), fence]
         return "\n".join(indent + line if line else line for line in block)
 
-    return DIRECTIVE.sub(replace, markdown)
+    def replace_report(match):
+        table = report_table(root, match["table"], f"{page.file.src_uri}: ::: report {match['table']}")
+        return "\n".join(match["indent"] + line for line in table.splitlines())
+
+    return REPORT_DIRECTIVE.sub(replace_report, DIRECTIVE.sub(replace, markdown))
 
 
 def on_serve(server, config, builder):
-    """mkdocs serve: rebuild when a script changes, not only a page."""
-    for script in sorted(Path(config.config_file_path).parent.glob("*.py")):
-        server.watch(str(script))
+    """mkdocs serve: rebuild when a script or the course's report changes, not only a page."""
+    root = Path(config.config_file_path).parent
+    for watched in [*sorted(root.glob("*.py")), root / REPORT]:
+        server.watch(str(watched))
     return server

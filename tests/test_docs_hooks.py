@@ -1,8 +1,10 @@
 """docs/hooks.py shows a script's code in a page: a name with the comment lines right above
 it, not those a blank line away nor a file's #! line, and a name that is not there, or a
-run that goes backwards, stops the build."""
+run that goes backwards, stops the build. It shows a table of the course's report
+(results/README.md) in a page, word for word, and a table that is not there stops the build."""
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,3 +67,54 @@ def test_a_name_that_is_not_there_or_a_run_backwards_stops_the_build(root):
         shown(root, "EIGHT")
     with pytest.raises(PluginError, match="runs backwards"):
         shown(root, "FOUR..THREE")
+
+
+# The shape of course.py's report: a table of steps, then the models, the video's and each model's.
+REPORT = """# The course, as it ran here
+
+| step | command | minutes |
+| --- | --- | --- |
+| data | `python data.py` | 0.0 |
+
+## The models
+
+| model | training seeds | trained for | words used |
+| --- | --- | --- | --- |
+| fine-tuned | 1 | 1,000 steps | 31% |
+| GRPO, KL 0 | 1 | 36 rollouts | 49% |
+
+| model | words used | loss on plain stories | stories that end within 200 tokens | KL per story at the end |
+| --- | --- | --- | --- | --- |
+| fine-tuned | 27% | 2.38 | 48% | 0 |
+"""
+
+
+@pytest.fixture
+def report_root(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "README.md").write_text(REPORT)
+    return tmp_path
+
+
+def test_a_report_table_is_the_report_s_own_lines(report_root):
+    models = REPORT.split("## The models\n\n")[1].split("\n\n")[0]
+    assert hooks.report_table(report_root, "models", "page") == models
+    assert hooks.report_table(report_root, "steps", "page").splitlines()[-1] == "| data | `python data.py` | 0.0 |"
+    assert hooks.report_table(report_root, "video", "page").splitlines()[-1].startswith("| fine-tuned | 27% |")
+
+
+def test_a_page_shows_the_table_where_the_line_stands_with_its_indentation(report_root):
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="course.md"))
+    config = SimpleNamespace(config_file_path=str(report_root / "mkdocs.yml"))
+    shown = hooks.on_page_markdown("Before.\n\n  ::: report steps\n\nAfter.\n", page, config, None)
+    assert shown == ("Before.\n\n  | step | command | minutes |\n  | --- | --- | --- |\n"
+                     "  | data | `python data.py` | 0.0 |\n\nAfter.\n")
+
+
+def test_a_report_table_that_is_not_there_stops_the_build(report_root, tmp_path_factory):
+    with pytest.raises(PluginError, match="has no table of each"):
+        hooks.report_table(report_root, "each", "page")
+    with pytest.raises(PluginError, match="no table 'speed'"):
+        hooks.report_table(report_root, "speed", "page")
+    with pytest.raises(PluginError, match="no results/README.md"):
+        hooks.report_table(tmp_path_factory.mktemp("empty"), "models", "page")
