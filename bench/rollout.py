@@ -144,6 +144,8 @@ def main():
         share_of_peak = f"{work[part] / median[part] / peak:.0%}" if work[part] else "no products"
         print(f"| {part} | {median[part]:.1f} | {median[part] / total:.0%} | {share_of_peak} |")
     print(f"| whole rollout | {total:.1f} | 100% | {sum(work.values()) / total / peak:.0%} |")
+    floor = sum(work.values()) / peak
+    print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took {total / floor:.1f} times it")
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")

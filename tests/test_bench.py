@@ -96,7 +96,12 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(mach
     for part in ("writing", "logprobs", "update"):
         assert re.search(rf"^\| {part} \| [\d.]+ \| \d+% \| \d+% \|$", out, re.MULTILINE)
     assert re.search(r"^\| scoring \| [\d.]+ \| \d+% \| no products \|$", out, re.MULTILINE)
-    assert re.search(r"^\| whole rollout \| [\d.]+ \| 100% \| \d+% \|$", out, re.MULTILINE)
+    whole = re.search(r"^\| whole rollout \| ([\d.]+) \| 100% \| (\d+)% \|$", out, re.MULTILINE)
+    assert whole
+    # The floor is the rollout's products at the peak: the rollout takes 1 / (its share of the peak) times it.
+    floor = re.search(r"^the floor, every product at the peak: ([\d.]+) s a rollout; this one took ([\d.]+) times it$",
+                      out, re.MULTILINE)
+    assert floor and float(floor[2]) == pytest.approx(100 / int(whole[2]), rel=0.1)
     assert re.search(r"group by group \(16 calls of 8\): [\d.]+ times faster", out)
     compared = re.search(r"writing in bf16 .*: [\d,]+ generated tokens per second", out)
     assert bool(compared) == (machine_s_precision == "bf16")
