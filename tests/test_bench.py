@@ -4,6 +4,7 @@ cache it measures is faster than writing without it. The attention benchmark tim
 length it is given, in both precisions. The benchmark of two ways taking turns times both,
 and their log-probabilities agree. The rollout benchmark prints each part of a rollout with
 its share of the matrix peak."""
+import math
 import re
 import subprocess
 import sys
@@ -98,10 +99,12 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(mach
     assert re.search(r"^\| scoring \| [\d.]+ \| \d+% \| no products \|$", out, re.MULTILINE)
     whole = re.search(r"^\| whole rollout \| ([\d.]+) \| 100% \| (\d+)% \|$", out, re.MULTILINE)
     assert whole
-    # The floor is the rollout's products at the peak: the rollout takes 1 / (its share of the peak) times it.
+    # The floor is the rollout's products at the peak: the rollout takes 1 / (its share of the peak) times it,
+    # the share printed in whole percents and the times to a tenth.
     floor = re.search(r"^the floor, every product at the peak: ([\d.]+) s a rollout; this one took ([\d.]+) times it$",
                       out, re.MULTILINE)
-    assert floor and float(floor[2]) == pytest.approx(100 / int(whole[2]), rel=0.1)
+    share = int(whole[2])
+    assert floor and 100 / (share + 0.5) - 0.05 <= float(floor[2]) <= (100 / (share - 0.5) + 0.05 if share else math.inf)
     assert re.search(r"group by group \(16 calls of 8\): [\d.]+ times faster", out)
     compared = re.search(r"writing in bf16 .*: [\d,]+ generated tokens per second", out)
     assert bool(compared) == (machine_s_precision == "bf16")
