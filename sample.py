@@ -200,8 +200,16 @@ class KVCache:
                                    device=first.device)
 
     def keep(self, rows):
-        """Only these rows (a mask) from now on: the others have ended their stories."""
-        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        """Only these rows (a mask) from now on: the others have ended their stories. The rows
+        that stay move up in place, and only the positions written so far: a new cache would
+        copy every slot, filled or not, into fresh memory the system must first hand over."""
+        kept = rows.nonzero().squeeze(1).tolist()
+        end = int(self.filled.max()) if torch.is_tensor(self.filled) else self.filled
+        for to, row in enumerate(kept):
+            if row != to:  # the rows before the first that ended are in place already
+                self.keys[:, to, :, :end] = self.keys[:, row, :, :end]
+                self.values[:, to, :, :end] = self.values[:, row, :, :end]
+        self.keys, self.values = self.keys[:, :len(kept)], self.values[:, :len(kept)]
         if torch.is_tensor(self.filled):
             self.filled = self.filled[rows]
 

@@ -4,7 +4,9 @@ each written for 8 times, as in GRPO) are written with sample.generate up to --p
 positions, then --steps more single-token steps are timed and profiled: the seconds of a
 step, its share of the machine's matrix-product peak, and torch's profiler's operators,
 the most expensive first (the matrix products, the attention over the cache, the copies
-and the small operators between them). The series-size model with random weights: a step
+and the small operators between them); the bytes of the cache a step reads against the
+memory's bandwidth, measured in the same run; and what dropping a quarter of the rows, as
+the writing does once their stories have ended, costs. The series-size model with random weights: a step
 costs the same whatever the weights say.
 
 With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
@@ -61,7 +63,22 @@ def writing_steps(model, device, positions, steps):
     for _ in range(positions - PROMPT):
         one_step()
     seconds = [timed(device, one_step)[1] for _ in range(steps)]
-    return seconds, one_step
+    return seconds, one_step, cache
+
+
+def read_bandwidth(device):
+    """Bytes a second the device's memory gives: a sum over 256 MB, the best of 5."""
+    big = torch.ones(64 * 2**20, device=device)
+    return big.numel() * big.element_size() / min(timed(device, big.sum)[1] for _ in range(5))
+
+
+def narrowing(cache, device):
+    """The seconds the cache takes to drop a quarter of its rows, spread through the batch, as
+    the writing drops the rows whose stories have ended."""
+    ended = torch.randperm(ROWS, generator=torch.Generator().manual_seed(0))[:ROWS // 4]
+    rows = torch.ones(ROWS, dtype=torch.bool, device=device)
+    rows[ended] = False
+    return timed(device, lambda: cache.keep(rows))[1]
 
 
 def update_minibatch(model, optimizer, device, precision):
@@ -98,7 +115,7 @@ def main():
     # The steps timed, then as many again under the profiler (which slows what it watches).
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad(), autocast(device, precision):
-        seconds, one_step = writing_steps(model, device, args.positions, args.steps)
+        seconds, one_step, cache = writing_steps(model, device, args.positions, args.steps)
         with profile(activities=activities) as profiled:
             for _ in range(args.steps):
                 one_step()
@@ -109,6 +126,14 @@ def main():
           f"({flops / 1e9:.2f} GFLOP a step)")
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(profiled.key_averages().table(sort_by=by, row_limit=args.rows))
+    # The attention over the cache multiplies little and reads much: each layer's keys and
+    # values at every cached position, for every row. Its floor is the memory's, not the peak's.
+    cache_bytes = 2 * model.config.n_layer * ROWS * model.config.n_embd * args.positions * cache.keys.element_size()
+    bandwidth = read_bandwidth(device)
+    print(f"the attention reads {cache_bytes / 1e6:.0f} MB of keys and values a step; at the memory's "
+          f"{bandwidth / 1e9:.1f} GB/s (a sum over 256 MB) that is {cache_bytes / bandwidth * 1000:.1f} ms, "
+          f"and the step's products at the peak {flops / peak * 1000:.1f} ms")
+    print(f"dropping a quarter of the rows from the cache: {narrowing(cache, device) * 1000:.1f} ms")
     if not args.compile:
         return
 
@@ -119,7 +144,7 @@ def main():
         started = time.perf_counter()
         updates = [update_minibatch(m, optimizer, device, precision) for _ in range(4)]
         with torch.no_grad(), autocast(device, precision):
-            steps, _ = writing_steps(m, device, args.positions, args.steps)
+            steps, _, _ = writing_steps(m, device, args.positions, args.steps)
         return time.perf_counter() - started, updates, steps
 
     eager = workload(model)

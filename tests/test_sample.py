@@ -230,6 +230,28 @@ def test_rows_that_end_leave_the_batch_and_the_others_write_on_unchanged():
     assert min(calls[len(groups):]) < rows  # rows that ended stopped costing a step
 
 
+@pytest.mark.parametrize("lengths", [(5,), (3, 7, 4)])
+def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(lengths):
+    # Prompts of one length (one count for all rows) and of several (a count per row), then a
+    # few tokens written; the rows kept move up, and each must keep every position it filled.
+    model = tiny_model()
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        _, cache = sample.prefill(model, [torch.randint(0, 97, (3, n), generator=g) for n in lengths], 10)
+        for _ in range(3):
+            model(torch.randint(0, 97, (3 * len(lengths), 1), generator=g), cache=cache)
+    filled = cache.filled.tolist() if torch.is_tensor(cache.filled) else [cache.filled] * 3 * len(lengths)
+    rows = torch.tensor([True, False, True] * len(lengths))
+    kept = [(cache.keys[:, r, :, :filled[r]].clone(), cache.values[:, r, :, :filled[r]].clone(), filled[r])
+            for r in range(len(rows)) if rows[r]]
+    cache.keep(rows)
+    assert cache.keys.size(1) == cache.values.size(1) == len(kept)
+    for row, (keys, values, count) in enumerate(kept):
+        assert torch.equal(cache.keys[:, row, :, :count], keys) and torch.equal(cache.values[:, row, :, :count], values)
+    if len(lengths) > 1:
+        assert cache.filled.tolist() == [count for _, _, count in kept]
+
+
 def test_stories_of_a_group_written_with_others_follow_the_model_distribution():
     model = tiny_model(vocab_size=5)
     prompt = torch.tensor([[1, 2, 3]])
