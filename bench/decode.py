@@ -6,8 +6,8 @@ step, its share of the machine's matrix-product peak, and torch's profiler's ope
 the most expensive first (the matrix products, the attention over the cache, the copies
 and the small operators between them); the bytes of the cache a step reads against the
 memory's bandwidth, measured in the same run; and what dropping a quarter of the rows, as
-the writing does once their stories have ended, costs. The series-size model with random weights: a step
-costs the same whatever the weights say.
+the writing does once their stories have ended, costs. The series-size model with random
+weights: a step costs the same whatever the weights say.
 
 With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
 dynamic, as the cache grows by a position at each step) beside it, and one update
