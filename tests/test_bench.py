@@ -123,6 +123,6 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
                      r"the matrix peak", out)
     assert "aten::addmm" in out  # the matrix products, among the operators listed
     cache = 2 * 7 * 128 * 384 * 22 * 4  # keys and values, the series' 7 layers, 128 rows, 384 channels, fp32
-    assert re.search(rf"the attention reads {cache / 1e6:.0f} MB of keys and values a step; at the memory's [\d.]+ GB/s .* that is "
-                     r"[\d.]+ ms, and the step's products at the peak [\d.]+ ms", out)
+    assert re.search(rf"the attention reads {cache / 1e6:.0f} MB of keys and values a step; at the memory's "
+                     r"[\d.]+ GB/s .* that is [\d.]+ ms, and the step's products at the peak [\d.]+ ms", out)
     assert re.search(r"dropping a quarter of the rows from the cache: [\d.]+ ms", out)
