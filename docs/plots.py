@@ -178,17 +178,21 @@ def with_its_seeds(run, seeds):
     return [name for name in named if (RUNS / name).exists()]
 
 
-def panels(file, title, panels_of, lines):
-    """A row of plots, one per (title, tag, x label); each of lines is (run, label, colour)."""
+def panels(file, title, panels_of, groups):
+    """A row of plots, one per (title, tag, x label); each of groups is (label, colour, runs): a
+    run alone is a line, several runs (training seeds) a thin line each and their mean on top."""
     figure, axes = plt.subplots(1, len(panels_of), figsize=(4.3 * len(panels_of), 3.5), squeeze=False)
     axes = axes[0]
     for axis, (panel_title, tag, xlabel) in zip(axes, panels_of):
-        labelled = set()
-        for run, label, colour in lines:
-            steps, values = scalars(run, tag)
-            axis.plot(steps, values, color=colour, alpha=0.85, linewidth=1.2, marker="o" if len(steps) < 15 else None,
-                      markersize=3, label=None if label in labelled else label)
-            labelled.add(label)
+        for label, colour, runs in groups:
+            series = [scalars(run, tag) for run in runs]
+            if len(series) > 1:
+                for steps, values in series:
+                    axis.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8)
+                label = f"{label}, mean of {len(series)} seeds"
+            steps, values = seeds_mean(series)
+            axis.plot(steps, values, color=colour, linewidth=1.6, marker="o" if len(steps) < 15 else None,
+                      markersize=3, label=label)
         axis.set(title=panel_title, xlabel=xlabel)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -199,6 +203,14 @@ def panels(file, title, panels_of, lines):
     print(f"wrote docs/img/{file}")
 
 
+def seeds_mean(series):
+    """The mean of several runs' (steps, values), at the steps they all have: a seed that
+    stopped early (its minutes ran out) ends the mean there, rather than bending it."""
+    common = sorted(set.intersection(*(set(steps) for steps, _ in series))) if series else []
+    by_step = [dict(zip(steps, values)) for steps, values in series]
+    return common, [sum(run[step] for run in by_step) / len(by_step) for step in common]
+
+
 def course_figures(files, seeds):
     """The course's figures, from its runs under runs/, `seeds` training seeds of each."""
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -207,17 +219,17 @@ def course_figures(files, seeds):
                [("pretraining: loss on valid stories", "loss/valid", "step"),
                 ("fine-tuning: held-back instructions", "loss/instructions", "step"),
                 ("fine-tuning: plain valid stories", "loss/plain", "step")],
-               [("pretrain", "pretraining", colours[0]), ("finetune", "fine-tuning", colours[1])])
+               [("pretraining", colours[0], ["pretrain"]), ("fine-tuning", colours[1], ["finetune"])])
     dpo = with_its_seeds("dpo", seeds)
     if "course-dpo.png" in files and dpo:
-        panels("course-dpo.png", "The course: DPO, a line per training seed",
+        panels("course-dpo.png", "The course: DPO, each training seed and their mean",
                [("words used, held-out instructions", "words/heldout", "step"),
                 ("reward margin on each batch of pairs", "dpo/margin", "step")],
-               [(run, "DPO", colours[2]) for run in dpo])
-    rl = [(seeded, label, colours[3 + i]) for i, (run, label) in enumerate(COURSE_RL.items())
-          for seeded in with_its_seeds(run, seeds)]
+               [("DPO", colours[2], dpo)])
+    rl = [(label, colours[3 + i], with_its_seeds(run, seeds)) for i, (run, label) in enumerate(COURSE_RL.items())]
+    rl = [group for group in rl if group[2]]
     if "course-rl.png" in files and rl:
-        panels("course-rl.png", "The course: PPO and GRPO, a line per training seed",
+        panels("course-rl.png", "The course: PPO and GRPO, each training seed and their mean",
                [("reward of each rollout", "rollout/reward", "rollout"),
                 ("KL from the fine-tuned model, per story", "rollout/kl", "rollout"),
                 ("words used, held-out instructions", "words/heldout", "rollout")], rl)

@@ -320,6 +320,9 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
     assert plots.with_its_seeds("grpo/kl-0", 3) == ["grpo/kl-0", "grpo/kl-0-seed-3"]
     assert plots.with_its_seeds("grpo/kl-0.05", 3) == ["grpo/kl-0.05", "grpo/kl-0.05-seed-2"]
     assert plots.with_its_seeds("grpo/kl-0.05", 1) == ["grpo/kl-0.05"]
+    # The seeds' mean line: at the rollouts every seed reached, the mean of their values there.
+    steps, mean = plots.seeds_mean([([1, 2, 3], [0.1, 0.2, 0.6]), ([2, 1], [0.4, 0.3]), ([1, 2, 3], [0.2, 0.3, 0.9])])
+    assert steps == [1, 2] and mean == pytest.approx([0.2, 0.3])
     monkeypatch.setattr(sys, "argv", ["plots.py", "--course", "--seeds", "3"])
     plots.main()
     assert {p.name for p in (learner / "img").glob("course-*.png")} == {"course-dpo.png", "course-rl.png"}
