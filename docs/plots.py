@@ -166,7 +166,7 @@ def measured(run):
 
 
 # The course's figures (python course.py, any --seeds): its training curves, DPO's and each RL
-# method's runs, a line per training seed.
+# method's runs, each training seed a thin line and their mean on top.
 COURSE_RL = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0": "GRPO, KL 0"}
 COURSE_FIGURES = ["course-training.png", "course-dpo.png", "course-rl.png"]
 
