@@ -15,8 +15,14 @@ log-probabilities the ratio and the KL are made of, against fp32, on the rollout
 both only where bf16 is the machine's faster precision (or asked for with --precision bf16):
 elsewhere bf16 runs many times slower, and the bench says so instead.
 
-    python bench/rollout.py                       (about 4 minutes on a 2-core CPU)
+With --profile, one more rollout's writing under torch's profiler: its operators, the most
+expensive first, the single-token steps its rows took against the tokens its stories kept
+(a row whose story has ended goes on costing a step until it leaves the batch), and the
+pages of fresh memory the system handed it (Linux and macOS count them).
+
+    python bench/rollout.py                       (about 6 minutes on a 2-core CPU)
     python bench/rollout.py --precision fp32 --repeats 1
+    python bench/rollout.py --repeats 1 --profile
 """
 import argparse
 import statistics
@@ -25,6 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+try:
+    import resource  # the page faults a process took: Linux and macOS, not Windows
+except ImportError:
+    resource = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -104,12 +116,34 @@ def precision_drift(policy, tokenizer, asks, device):
             "kl_per_story": float(((torch.exp(r) - r - 1) * mask).sum(dim=1).mean())}
 
 
+def profile_writing(policy, tokenizer, asks, device, precision, operators=15):
+    """One more rollout's writing under the profiler; prints where its time went."""
+    rows_a_step = []  # the batch of each single-token step
+    hook = policy.register_forward_pre_hook(lambda _, args: rows_a_step.append(len(args[0])) if args[0].size(1) == 1
+                                            else None)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else None
+    with profile(activities=[ProfilerActivity.CPU]) as profiled, autocast(device, precision):
+        prompts, stories, _ = rollout(policy, tokenizer, asks, np.random.default_rng(99), 99)
+    hook.remove()
+    by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\nthe writing of one more rollout, profiled:\n"
+          f"{profiled.key_averages().table(sort_by=by, row_limit=operators)}")
+    # The first token of every row comes from the prompt's pass; each later one from a step.
+    stepped, kept = len(prompts) + sum(rows_a_step), sum(len(story) for story in stories)
+    print(f"{len(rows_a_step) + 1} steps; {stepped:,} tokens written, {kept:,} kept in the stories: "
+          f"{1 - kept / stepped:.1%} written after a story had ended")
+    if resource:
+        print(f"pages of fresh memory taken (minor page faults): "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults:,}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", choices=list(DTYPES))
     parser.add_argument("--device")
+    parser.add_argument("--profile", action="store_true", help="then profile one more rollout's writing")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -152,6 +186,8 @@ def main():
     print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
           f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens)")
     print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
+    if args.profile:
+        profile_writing(policy, tokenizer, asks, device, precision)
     if not both_precisions:
         print("\nbf16 not measured: it is not this machine's faster precision (devices.default_precision)")
         return
