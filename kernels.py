@@ -1,6 +1,6 @@
 """
 Passes that make the series faster and teach nothing: hand-written forward and backward
-passes for two places where torch's own, on a CPU, cost more than they need to. A learner
+passes for three places where torch's own, on a CPU, cost more than they need to. A learner
 may skip this file; each function here gives what its plain counterpart gives (the tests
 check it against that counterpart).
 
@@ -10,6 +10,10 @@ check it against that counterpart).
 - attention(q, k, v, visible, dropout, causal): torch's scaled_dot_product_attention, whose
   backward pass runs in float32 where DPO, PPO and GRPO train in bfloat16 on a CPU, as torch's
   CPU kernel computes it faster in float32 than in bfloat16 (bench/turns.py attention measures it).
+- one_query_attention(q, k, v, visible): a new token's attention over the cache, as a step of
+  writing with it runs on a CPU without AMX: two products by hand over a float32 cache, which
+  there take about half the fused kernel's time (bench/decode.py measures both);
+  cache_precision(k) is the precision the cache keeps for it.
 """
 import torch
 import torch.nn.functional as F
@@ -72,15 +76,48 @@ FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
 
+# Writing with a cache, a new token's attention reads every cached key and value and multiplies
+# little. On a CPU with AMX (Intel's matrix units), torch's fused kernel did it fastest over a
+# bfloat16 cache (episode 16's step 6, on an Intel Xeon); on a CPU without, two products by hand
+# over a float32 cache took half its time (step 11, on an AMD EPYC), so they run there.
+BY_HAND_ON_CPU = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+def cache_precision(k):
+    """The precision a cache keeps keys like k in: float32 (float64 for float64 layers) where a
+    new token's attention runs by hand, one_query_attention; elsewhere the layers' own
+    (bfloat16 under its autocast: half the bytes to read)."""
+    if k.device.type == "cpu" and BY_HAND_ON_CPU:
+        return torch.promote_types(k.dtype, torch.float32)
+    return k.dtype
+
+
 def attention(q, k, v, visible, dropout, causal):
     """torch's scaled_dot_product_attention. For a bfloat16 pass on a CPU that is going to be
     trained through (the updates of DPO, PPO and GRPO: causal, no dropout, no mask), the same
     forward pass, and the backward pass in float32, which torch's CPU kernel computes faster
-    than in bfloat16 (bench/turns.py attention measures it)."""
+    than in bfloat16 (bench/turns.py attention measures it). For one query a row on a CPU
+    without AMX (a step of writing), one_query_attention."""
+    if q.device.type == "cpu" and BY_HAND_ON_CPU and q.size(-2) == 1:
+        return one_query_attention(q, k, v, visible, dropout)
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and causal and visible is None
             and dropout == 0 and FLOAT32_BACKWARD):
         return CausalAttentionFloat32Backward.apply(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, is_causal=causal)
+
+
+def one_query_attention(q, k, v, visible, dropout=0.0):
+    """scaled_dot_product_attention for one query a row (q: rows, heads, 1, channels) over keys
+    and values that may be in another precision (a float32 cache, cache_precision): the
+    query's scores against every key, the softmax, the values it weighs, all in the keys'
+    precision whatever the autocast, and the output in the query's. (By hand in bfloat16,
+    torch's products would first copy the cache, a slice of a longer one.)"""
+    with torch.autocast(q.device.type, enabled=False):
+        scores = q.to(k.dtype) @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))  # positions a row may not see weigh 0
+        weights = F.dropout(scores.softmax(dim=-1), dropout) if dropout else scores.softmax(dim=-1)
+        return (weights @ v).to(q.dtype)
 
 
 class CausalAttentionFloat32Backward(torch.autograd.Function):

@@ -52,7 +52,8 @@ class SelfAttention(nn.Module):
             # and which of them each row may see.
             k, v, visible = cache.add(layer, k, v)
         # Each position sees those before it: torch's fused attention (kernels.py: with a
-        # faster backward pass where DPO, PPO and GRPO train in bfloat16 on a CPU).
+        # faster backward pass where DPO, PPO and GRPO train in bfloat16 on a CPU, and by
+        # hand for a new token over the cache on most CPUs).
         y = attention(q, k, v, visible, dropout=self.dropout if self.training else 0.0, causal=T > 1)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 

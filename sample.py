@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from checkpoints import CHECKPOINTS, load_checkpoint
 from data import instruction
 from devices import pick_device
+from kernels import cache_precision
 from tokenizer import encode_prompt, load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
@@ -161,21 +162,23 @@ class KVCache:
         batch, heads, new, head_size = k.shape
         if self.keys is None:
             shape = (self.n_layer, batch, heads, self.length, head_size)
-            # In the precision the layers give them: bfloat16 under its autocast, where each new
-            # token's attention reads the whole cache, so half the bytes is a faster step.
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+            # Each new token's attention reads the whole cache: in float32 on most CPUs, where
+            # it runs by hand, else in the layers' precision (kernels.cache_precision).
+            self.keys = torch.empty(shape, dtype=cache_precision(k), device=k.device)
+            self.values = torch.empty(shape, dtype=cache_precision(v), device=v.device)
         end = self.filled + new
         self.keys[layer, :, :, self.filled:end] = k
         self.values[layer, :, :, self.filled:end] = v
+        if self.filled == 0:
+            return k, v, None  # a prompt: its own keys and values are all the cache holds
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None
 
     def add_per_row(self, layer, k, v):
         # One new token per row, each at its row's own next position; a row sees only the
         # positions it has filled, not the slots a shorter prompt left empty.
         rows = torch.arange(k.size(0), device=k.device)
-        self.keys[layer, rows, :, self.filled] = k[:, :, 0]
-        self.values[layer, rows, :, self.filled] = v[:, :, 0]
+        self.keys[layer, rows, :, self.filled] = k[:, :, 0].to(self.keys.dtype)
+        self.values[layer, rows, :, self.filled] = v[:, :, 0].to(self.values.dtype)
         end = int(self.filled.max()) + 1
         visible = torch.arange(end, device=k.device) <= self.filled[:, None]
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]

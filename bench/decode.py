@@ -9,6 +9,10 @@ memory's bandwidth, measured in the same run; and what dropping a quarter of the
 the writing does once their stories have ended, costs. The series-size model with random
 weights: a step costs the same whatever the weights say.
 
+On a CPU, the attention over the cache two ways, taking turns: torch's fused kernel over a
+cache in the layers' precision, and the two products by hand over a float32 cache
+(kernels.one_query_attention), which the writing runs on a CPU without AMX.
+
 With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
 dynamic, as the cache grows by a position at each step) beside it, and one update
 minibatch of 16 stories of 224 positions, eager and compiled, each with its compile time.
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import timed  # noqa: E402
 from bench.train import DTYPES, matmul_peak  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
-from kernels import log_softmax_at  # noqa: E402
+from kernels import log_softmax_at, one_query_attention  # noqa: E402
 from model import GPT, Config  # noqa: E402
 from sample import next_token, prefill  # noqa: E402
 from train import optimizer_step  # noqa: E402
@@ -79,6 +84,29 @@ def narrowing(cache, device):
     rows = torch.ones(ROWS, dtype=torch.bool, device=device)
     rows[ended] = False
     return timed(device, lambda: cache.keep(rows))[1]
+
+
+def attention_ways(model, device, precision, positions, rounds=5):
+    """A step's attention over the cache, every layer's, for ROWS rows at `positions` cached
+    positions of a longer cache, as the writing reads it: two ways, taking turns, each way's
+    milliseconds a step, the median of `rounds`."""
+    c = model.config
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (ROWS, c.n_head, positions + 80, c.n_embd // c.n_head)  # room for 80 more tokens, as a cache has
+    query = torch.randn(ROWS, c.n_head, 1, shape[-1], generator=generator, device=device).to(DTYPES[precision])
+    caches = [torch.randn(shape, generator=generator, device=device) for _ in range(2)]
+    keys, values = (cache[:, :, :positions] for cache in caches)
+    layers_keys, layers_values = (cache.to(query.dtype)[:, :, :positions] for cache in caches)  # the same, rounded
+
+    ways = {f"torch's fused kernel, the cache in {precision}": lambda: F.scaled_dot_product_attention(
+                query, layers_keys, layers_values),
+            "by hand, the cache in float32 (kernels.one_query_attention)": lambda: one_query_attention(
+                query, keys, values, None)}
+    seconds = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, attend in ways.items():
+            seconds[way].append(timed(device, lambda: [attend() for _ in range(c.n_layer)])[1])
+    return {way: statistics.median(s) * 1000 for way, s in seconds.items()}
 
 
 def update_minibatch(model, optimizer, device, precision):
@@ -134,6 +162,10 @@ def main():
           f"{bandwidth / 1e9:.1f} GB/s (a sum over 256 MB) that is {cache_bytes / bandwidth * 1000:.1f} ms, "
           f"and the step's products at the peak {flops / peak * 1000:.1f} ms")
     print(f"dropping a quarter of the rows from the cache: {narrowing(cache, device) * 1000:.1f} ms")
+    if device.type == "cpu":
+        print(f"the attention over the cache, {model.config.n_layer} layers, two ways taking turns (ms a step):")
+        for way, ms in attention_ways(model, device, precision, args.positions).items():
+            print(f"  {way}: {ms:.1f}")
     if not args.compile:
         return
 

@@ -1,5 +1,5 @@
-"""kernels.py: log_softmax_at and the attention with a float32 backward pass give what torch's
-own functions give, value and gradient."""
+"""kernels.py: log_softmax_at, the attention with a float32 backward pass and the attention of one
+query a row give what torch's own functions give, value and gradient."""
 import pytest
 import torch
 
@@ -138,3 +138,55 @@ def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_an
     with autocast("cpu", "bf16"):
         model(tokens)  # with dropout
     assert not calls
+
+
+def one_query_inputs(dtype):
+    # One query a row over 9 cached positions, and which of them each of the 3 rows may see.
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=generator, dtype=dtype) for n in (1, 9, 9))
+    visible = (torch.arange(9) <= torch.tensor([3, 8, 5])[:, None])[:, None, None, :]
+    return q, k, v, visible
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_attention_is_torchs_attention(masked):
+    q, k, v, visible = one_query_inputs(torch.float64)
+    visible = visible if masked else None
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    torch.testing.assert_close(kernels.one_query_attention(q, k, v, visible), expected, rtol=0, atol=1e-12)
+    # The attention() the model calls takes it for one query a row on a CPU.
+    torch.testing.assert_close(kernels.attention(q, k, v, visible, dropout=0.0, causal=False), expected,
+                               rtol=0, atol=1e-12)
+
+
+def test_one_query_attention_over_a_float32_cache_runs_in_float32_under_bf16s_autocast():
+    q, k, v, visible = one_query_inputs(torch.float32)
+    q = q.bfloat16()  # as the layers give it under the autocast; the cache keeps float32
+    with autocast("cpu", "bf16"):
+        got = kernels.one_query_attention(q, k, v, visible)
+    assert got.dtype == torch.bfloat16
+    # The products in float32: the answer of float32 inputs, rounded once to bfloat16 at the end
+    # (2**-8 of each number at most; in bfloat16 the products would be several times further off).
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible)
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=1e-6)
+
+
+def test_one_query_attention_drops_out_weights_where_asked():
+    q, k, v, visible = one_query_inputs(torch.float32)
+    assert not torch.equal(kernels.one_query_attention(q, k, v, visible, dropout=0.0), torch.zeros_like(q))
+    assert torch.equal(kernels.one_query_attention(q, k, v, visible, dropout=1.0), torch.zeros_like(q))
+
+
+def test_a_new_tokens_attention_runs_by_hand_on_a_cpu_without_amx_and_fused_with_it(monkeypatch):
+    model = tiny_model()
+    calls = []
+    by_hand = kernels.one_query_attention
+    monkeypatch.setattr(kernels, "one_query_attention", lambda *args: calls.append(1) or by_hand(*args))
+    tokens = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    for without_amx in (True, False):
+        monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", without_amx)
+        calls.clear()
+        with autocast("cpu", "bf16"):
+            generate(model, tokens, 3, generator=torch.Generator().manual_seed(0))
+        # Three tokens: the first from the prompt's pass, two from single-token steps, each layer's.
+        assert len(calls) == (2 * model.config.n_layer if without_amx else 0)

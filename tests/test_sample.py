@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import kernels
 import sample
 from conftest import always_writes
 from devices import autocast
@@ -172,10 +173,13 @@ def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_al
             assert torch.equal(out, generate_by_recomputing(model, group, 30))
 
 
-# In bf16 too, the scripts' precision where it is faster, and its cache's: a row's logits are its
+# In bf16 too, the scripts' precision where it is faster, with the cache of a CPU without AMX (float32,
+# attended by hand) and with the bf16 one of a CPU with AMX (torch's fused kernel): a row's logits are its
 # logits alone, whichever rows share its batch, to bf16's rounding (which a CPU's kernels may
 # round differently for another number of rows, so the same greedy tokens are not asked for).
-def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits_alone():
+@pytest.mark.parametrize("by_hand", [True, False])  # a CPU without AMX, and one with it
+def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits_alone(by_hand, monkeypatch):
+    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", by_hand)
     model = tiny_model()
     groups = rollout_in_small()
     tokens = torch.randint(0, 97, (4, sum(map(len, groups))), generator=torch.Generator().manual_seed(5))
@@ -184,7 +188,7 @@ def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits
         alone = [sample.prefill(model, [group], 4) for group in groups]
         for step in range(4):
             expected = torch.cat([group_logits for group_logits, _ in alone])
-            assert cache.keys.dtype == torch.bfloat16
+            assert cache.keys.dtype == (torch.float32 if by_hand else torch.bfloat16)
             torch.testing.assert_close(logits.float(), expected.float(), rtol=0.02, atol=0.05)
             # The same next token for a row in the batch and alone, at each row's own position.
             logits = model(tokens[step][:, None], cache=cache)[0][:, -1]
