@@ -88,8 +88,8 @@ def narrowing(cache, device):
 
 def attention_ways(model, device, precision, positions, rounds=5):
     """A step's attention over the cache, every layer's, for ROWS rows at `positions` cached
-    positions of a longer cache, as the writing reads it: two ways, taking turns, each way's
-    milliseconds a step, the median of `rounds`."""
+    positions of a longer cache, as the writing reads it (without the mask of rows at several
+    positions): two ways, taking turns, each way's milliseconds a step, the median of `rounds`."""
     c = model.config
     generator = torch.Generator(device=device).manual_seed(0)
     shape = (ROWS, c.n_head, positions + 80, c.n_embd // c.n_head)  # room for 80 more tokens, as a cache has
