@@ -10,10 +10,10 @@ check it against that counterpart).
 - attention(q, k, v, visible, dropout, causal): torch's scaled_dot_product_attention, whose
   backward pass runs in float32 where DPO, PPO and GRPO train in bfloat16 on a CPU, as torch's
   CPU kernel computes it faster in float32 than in bfloat16 (bench/turns.py attention measures it).
-- one_query_attention(q, k, v, visible): a new token's attention over the cache, as a step of
-  writing with it runs on a CPU without AMX: two products by hand over a float32 cache, which
-  there take about half the fused kernel's time (bench/decode.py measures both);
-  cache_precision(k) is the precision the cache keeps for it.
+- block_attention(q, keys, values, visible): a new token's attention over the cache, as a
+  step of writing with it runs on a CPU without AMX: two products by hand over a cache kept in
+  blocks of CACHE_BLOCK positions, which there take a third of the fused kernel's time or
+  less (bench/decode.py measures both); cache_block(device, context) is the block a cache keeps.
 """
 import torch
 import torch.nn.functional as F
@@ -77,47 +77,56 @@ FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
 
 
 # Writing with a cache, a new token's attention reads every cached key and value and multiplies
-# little. On a CPU with AMX (Intel's matrix units), torch's fused kernel did it fastest over a
-# bfloat16 cache (episode 16's step 6, on an Intel Xeon); on a CPU without, two products by hand
-# over a float32 cache took half its time (step 11, on an AMD EPYC), so they run there.
+# little. On a CPU with AMX (Intel's matrix units), torch's fused kernel did it fastest over the
+# positions so far (episode 16's step 6, on an Intel Xeon); on a CPU without, two products by
+# hand over a cache kept in blocks of 32 positions took a third of its time or less (step 12, on
+# an AMD EPYC), so they run there.
 BY_HAND_ON_CPU = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+CACHE_BLOCK = 32  # positions in a block of the cache, where block_attention reads it
 
 
-def cache_precision(k):
-    """The precision a cache keeps keys like k in: float32 (float64 for float64 layers) where a
-    new token's attention runs by hand, one_query_attention; elsewhere the layers' own
-    (bfloat16 under its autocast: half the bytes to read)."""
-    if k.device.type == "cpu" and BY_HAND_ON_CPU:
-        return torch.promote_types(k.dtype, torch.float32)
-    return k.dtype
+def cache_block(device, context):
+    """Positions in each block of a cache (sample.KVCache): CACHE_BLOCK where a new token's
+    attention runs by hand, block_attention; elsewhere one block of the model's whole context,
+    whose positions so far torch's fused kernel reads."""
+    return CACHE_BLOCK if device.type == "cpu" and BY_HAND_ON_CPU else context
 
 
 def attention(q, k, v, visible, dropout, causal):
     """torch's scaled_dot_product_attention. For a bfloat16 pass on a CPU that is going to be
     trained through (the updates of DPO, PPO and GRPO: causal, no dropout, no mask), the same
     forward pass, and the backward pass in float32, which torch's CPU kernel computes faster
-    than in bfloat16 (bench/turns.py attention measures it). For one query a row on a CPU
-    without AMX (a step of writing), one_query_attention."""
-    if q.device.type == "cpu" and BY_HAND_ON_CPU and q.size(-2) == 1:
-        return one_query_attention(q, k, v, visible, dropout)
+    than in bfloat16 (bench/turns.py attention measures it). For one query a row over keys
+    and values in blocks (a step of writing with the cache of a CPU without AMX), block_attention."""
+    if k.dim() == 5:  # blocks, rows, heads, positions of a block, channels: sample.KVCache's blocks
+        return block_attention(q, k, v, visible, dropout)
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and causal and visible is None
             and dropout == 0 and FLOAT32_BACKWARD):
         return CausalAttentionFloat32Backward.apply(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, is_causal=causal)
 
 
-def one_query_attention(q, k, v, visible, dropout=0.0):
+def block_attention(q, keys, values, visible, dropout=0.0):
     """scaled_dot_product_attention for one query a row (q: rows, heads, 1, channels) over keys
-    and values that may be in another precision (a float32 cache, cache_precision): the
-    query's scores against every key, the softmax, the values it weighs, all in the keys'
-    precision whatever the autocast, and the output in the query's. (By hand in bfloat16,
-    torch's products would first copy the cache, a slice of a longer one.)"""
-    with torch.autocast(q.device.type, enabled=False):
-        scores = q.to(k.dtype) @ k.transpose(-2, -1) * q.size(-1) ** -0.5
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))  # positions a row may not see weigh 0
-        weights = F.dropout(scores.softmax(dim=-1), dropout) if dropout else scores.softmax(dim=-1)
-        return (weights @ v).to(q.dtype)
+    and values kept in blocks of positions (blocks, rows, heads, positions of a block,
+    channels), of which each row sees only `visible` (rows, 1, 1, every block's positions in
+    order; None: all): a block's slots not yet written are read too, with weight 0. Each product is one
+    of many small dense matrices, which torch multiplies on a CPU without copying the cache;
+    the products in the cache's precision, the softmax and the sum of the blocks in float32
+    (float64 for float64 keys)."""
+    blocks, block = keys.size(0), keys.size(-2)
+    precise = torch.promote_types(keys.dtype, torch.float32)
+    # Every block's scores in one product, the query the same for each block; then a row's
+    # scores side by side, its positions in order.
+    scores = (q @ keys.transpose(-2, -1)).to(precise) * q.size(-1) ** -0.5
+    scores = scores.permute(1, 2, 3, 0, 4).flatten(-2)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))  # positions a row may not see weigh 0
+    weights = scores.softmax(dim=-1)
+    weights = F.dropout(weights, dropout) if dropout else weights
+    # Back in blocks: each block's values weighed in one product, and the blocks' sums added up.
+    weights = weights.to(values.dtype).unflatten(-1, (blocks, block)).permute(3, 0, 1, 2, 4)
+    return (weights @ values).sum(0, dtype=precise).to(q.dtype)
 
 
 class CausalAttentionFloat32Backward(torch.autograd.Function):

@@ -48,12 +48,12 @@ class SelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         visible = None
         if cache is not None:
-            # Writing with a cache (sample.py): the keys and values of every position so far,
-            # and which of them each row may see.
+            # Writing with a cache (sample.py): the keys and values of every position so far
+            # (in blocks of positions on most CPUs), and which of them each row may see.
             k, v, visible = cache.add(layer, k, v)
         # Each position sees those before it: torch's fused attention (kernels.py: with a
         # faster backward pass where DPO, PPO and GRPO train in bfloat16 on a CPU, and by
-        # hand for a new token over the cache on most CPUs).
+        # hand for a new token over the cache's blocks on most CPUs).
         y = attention(q, k, v, visible, dropout=self.dropout if self.training else 0.0, causal=T > 1)
         return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from checkpoints import CHECKPOINTS, load_checkpoint
 from data import instruction
 from devices import pick_device
-from kernels import cache_precision
+from kernels import cache_block
 from tokenizer import encode_prompt, load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
@@ -143,12 +143,14 @@ def write_after(model, logits, cache, max_new_tokens, temperature, top_k, stop, 
 
 
 class KVCache:
-    """Each layer's keys and values for the positions written so far. `filled` counts those
-    positions: one number when every row's prompt has one length, or a tensor with a count
+    """Each layer's keys and values for the positions written so far, kept in blocks of
+    positions (kernels.cache_block: 32 on a CPU without AMX, where a new token's attention
+    reads them a block at a time; elsewhere one block of the whole context). `filled` counts
+    the positions: one number when every row's prompt has one length, or a tensor with a count
     for each row when a batch holds prompts of several lengths (see gather)."""
 
     def __init__(self, config, length):
-        self.n_layer, self.length, self.filled = config.n_layer, length, 0
+        self.n_layer, self.context, self.length, self.filled = config.n_layer, config.context, length, 0
         self.keys = self.values = None  # made at the first call, on the layers' device
 
     def add(self, layer, k, v):
@@ -157,64 +159,99 @@ class KVCache:
         # Either a whole prompt from position 0, or one new token that may see all before it.
         assert k.size(2) == 1 or (not torch.is_tensor(self.filled) and self.filled == 0), \
             "the cache takes a prompt first, then one token at a time"
-        if torch.is_tensor(self.filled):
-            return self.add_per_row(layer, k, v)
-        batch, heads, new, head_size = k.shape
         if self.keys is None:
-            shape = (self.n_layer, batch, heads, self.length, head_size)
-            # Each new token's attention reads the whole cache: in float32 on most CPUs, where
-            # it runs by hand, else in the layers' precision (kernels.cache_precision).
-            self.keys = torch.empty(shape, dtype=cache_precision(k), device=k.device)
-            self.values = torch.empty(shape, dtype=cache_precision(v), device=v.device)
-        end = self.filled + new
-        self.keys[layer, :, :, self.filled:end] = k
-        self.values[layer, :, :, self.filled:end] = v
-        if self.filled == 0:
+            self.make(k.size(0), k.size(1), k.size(3), k.dtype, k.device)
+        if k.size(2) > 1:
+            self.write_prompt(layer, k, v)
             return k, v, None  # a prompt: its own keys and values are all the cache holds
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None
-
-    def add_per_row(self, layer, k, v):
-        # One new token per row, each at its row's own next position; a row sees only the
-        # positions it has filled, not the slots a shorter prompt left empty.
+        # One new token a row, each at its row's own next position: a block, and a slot in it.
         rows = torch.arange(k.size(0), device=k.device)
-        self.keys[layer, rows, :, self.filled] = k[:, :, 0].to(self.keys.dtype)
-        self.values[layer, rows, :, self.filled] = v[:, :, 0].to(self.values.dtype)
-        end = int(self.filled.max()) + 1
-        visible = torch.arange(end, device=k.device) <= self.filled[:, None]
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end], visible[:, None, None, :]
+        block, slot = self.filled // self.block, self.filled % self.block
+        self.keys[layer, block, rows, :, slot] = k[:, :, 0]
+        self.values[layer, block, rows, :, slot] = v[:, :, 0]
+        return self.so_far(layer)
+
+    def make(self, rows, heads, channels, dtype, device):
+        """Room for `length` positions of each row's keys and of its values, in the layers'
+        precision, in blocks: (layers, blocks, rows, heads, positions of a block, channels)."""
+        self.block = cache_block(device, self.context)
+        blocks = -(-self.length // self.block)
+        # Zeros: a block's slots not yet written are read too, with weight 0, and 0 times a
+        # stray NaN of unwritten memory would be NaN.
+        size = (self.n_layer, blocks, rows, heads, self.block, channels)
+        self.keys = torch.zeros(size, dtype=dtype, device=device)
+        self.values = torch.zeros(size, dtype=dtype, device=device)
+
+    def write_prompt(self, layer, k, v):
+        # A prompt's positions from 0, a block at a time.
+        for block, start in enumerate(range(0, k.size(2), self.block)):
+            count = min(self.block, k.size(2) - start)
+            self.keys[layer, block, :, :, :count] = k[:, :, start:start + count]
+            self.values[layer, block, :, :, :count] = v[:, :, start:start + count]
+
+    def so_far(self, layer):
+        """The layer's keys and values so far, and which of them each row may see (None: all);
+        this step's token is at each row's position `filled`, and a row sees it and those before."""
+        end = int(self.filled.max() if torch.is_tensor(self.filled) else self.filled) + 1
+        if self.block == self.context:  # one block: torch's fused kernel reads the positions so far
+            keys, values = self.keys[layer, 0, :, :, :end], self.values[layer, 0, :, :, :end]
+            read = end
+        else:  # every block that holds a position so far, each whole
+            blocks = -(-end // self.block)
+            keys, values = self.keys[layer, :blocks], self.values[layer, :blocks]
+            read = blocks * self.block
+        if read == end and not torch.is_tensor(self.filled):
+            return keys, values, None
+        # A row sees its own positions, not the slots a shorter prompt left empty or not yet written.
+        filled = torch.as_tensor(self.filled, device=keys.device).reshape(-1, 1)
+        visible = torch.arange(read, device=keys.device) <= filled
+        return keys, values, visible[:, None, None, :]
 
     def repeat(self, copies):
         """A cache of one prompt becomes a cache of `copies` identical rows."""
-        self.keys = self.keys.repeat(1, copies, 1, 1, 1)
-        self.values = self.values.repeat(1, copies, 1, 1, 1)
+        self.keys = self.keys.repeat(1, 1, copies, 1, 1, 1)
+        self.values = self.values.repeat(1, 1, copies, 1, 1, 1)
 
     def gather(self, caches, rows):
         """Fills this cache with the caches of several prompts (one row each, or one row per
         copy), each copied to its number of rows; each row keeps its own count of positions."""
         first = caches[0].keys
-        shape = (self.n_layer, sum(rows), first.size(2), self.length, first.size(4))
-        self.keys, self.values = first.new_zeros(shape), first.new_zeros(shape)
+        self.make(sum(rows), first.size(3), first.size(5), first.dtype, first.device)
         start = 0
         for cache, count in zip(caches, rows):
-            self.keys[:, start:start + count, :, :cache.filled] = cache.keys[:, :, :, :cache.filled]
-            self.values[:, start:start + count, :, :cache.filled] = cache.values[:, :, :, :cache.filled]
+            blocks = -(-cache.filled // self.block)
+            self.keys[:, :blocks, start:start + count] = cache.keys[:, :blocks]
+            self.values[:, :blocks, start:start + count] = cache.values[:, :blocks]
             start += count
         self.filled = torch.tensor([c.filled for c, count in zip(caches, rows) for _ in range(count)],
                                    device=first.device)
 
     def keep(self, rows):
         """Only these rows (a mask) from now on: the others have ended their stories. The rows
-        that stay move up in place, and only the positions written so far: a new cache would
-        copy every slot, filled or not, into fresh memory the system must first hand over."""
-        kept = rows.nonzero().squeeze(1).tolist()
+        that stay move, in their own memory, to where a cache of fewer rows keeps them, so that
+        a layer's blocks stay one dense tensor, which a new token's attention reads without
+        copying it; a new cache would copy every slot into fresh memory the system must first
+        hand over. Only the blocks written so far move."""
+        kept = rows.nonzero().squeeze(1)
         end = int(self.filled.max()) if torch.is_tensor(self.filled) else self.filled
-        for to, row in enumerate(kept):
-            if row != to:  # the rows before the first that ended are in place already
-                self.keys[:, to, :, :end] = self.keys[:, row, :, :end]
-                self.values[:, to, :, :end] = self.values[:, row, :, :end]
-        self.keys, self.values = self.keys[:, :len(kept)], self.values[:, :len(kept)]
+        written = -(-end // self.block)
+        self.keys, self.values = (self.narrowed(cache, kept, written) for cache in (self.keys, self.values))
         if torch.is_tensor(self.filled):
             self.filled = self.filled[rows]
+
+    @staticmethod
+    def narrowed(cache, kept, written):
+        # Each (layer, block) in the order they lie in memory: its kept rows, gathered first,
+        # go where the smaller cache has them, at or before where they were, over nothing
+        # that is still to be read.
+        n_layer, blocks, rows = cache.shape[:3]
+        size = (n_layer, blocks, len(kept)) + cache.shape[3:]
+        by_row = cache.view(n_layer * blocks, rows, -1)
+        smaller = cache.view(-1)[:math.prod(size)].view(n_layer * blocks, len(kept), -1)
+        for at in range(n_layer * blocks):
+            if at % blocks < written:
+                smaller[at] = by_row[at, kept]
+        return smaller.view(size)
 
 
 def sampling_logits(logits, temperature, top_k):

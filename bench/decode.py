@@ -9,9 +9,10 @@ memory's bandwidth, measured in the same run; and what dropping a quarter of the
 the writing does once their stories have ended, costs. The series-size model with random
 weights: a step costs the same whatever the weights say.
 
-On a CPU, the attention over the cache two ways, taking turns: torch's fused kernel over a
-cache in the layers' precision, and the two products by hand over a float32 cache
-(kernels.one_query_attention), which the writing runs on a CPU without AMX.
+On a CPU, the attention over the cache two ways, taking turns, the cache in the layers'
+precision: torch's fused kernel over the positions so far, which the writing runs on a CPU
+with AMX, and the two products by hand over the cache's blocks of 32 positions
+(kernels.block_attention), which it runs on a CPU without.
 
 With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
 dynamic, as the cache grows by a position at each step) beside it, and one update
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import timed  # noqa: E402
 from bench.train import DTYPES, matmul_peak  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
-from kernels import log_softmax_at, one_query_attention  # noqa: E402
+from kernels import CACHE_BLOCK, block_attention, log_softmax_at  # noqa: E402
 from model import GPT, Config  # noqa: E402
 from sample import next_token, prefill  # noqa: E402
 from train import optimizer_step  # noqa: E402
@@ -92,16 +93,21 @@ def attention_ways(model, device, precision, positions, rounds=5):
     positions): two ways, taking turns, each way's milliseconds a step, the median of `rounds`."""
     c = model.config
     generator = torch.Generator(device=device).manual_seed(0)
-    shape = (ROWS, c.n_head, positions + 80, c.n_embd // c.n_head)  # room for 80 more tokens, as a cache has
+    blocks = -(-(positions + 80) // CACHE_BLOCK)  # room for 80 more tokens, as a cache has
+    shape = (blocks, ROWS, c.n_head, CACHE_BLOCK, c.n_embd // c.n_head)
     query = torch.randn(ROWS, c.n_head, 1, shape[-1], generator=generator, device=device).to(DTYPES[precision])
-    caches = [torch.randn(shape, generator=generator, device=device) for _ in range(2)]
-    keys, values = (cache[:, :, :positions] for cache in caches)
-    layers_keys, layers_values = (cache.to(query.dtype)[:, :, :positions] for cache in caches)  # the same, rounded
+    in_blocks = [torch.randn(shape, generator=generator, device=device).to(query.dtype) for _ in range(2)]
+    # The same numbers in order of position (rows, heads, positions, channels), and the positions so far.
+    keys, values = (cache.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :positions] for cache in in_blocks)
+    # Every block holding a position so far, whole, and which of its slots are those positions.
+    read = -(-positions // CACHE_BLOCK)
+    blocks_keys, blocks_values = (cache[:read] for cache in in_blocks)
+    visible = torch.arange(read * CACHE_BLOCK, device=device) < positions
 
-    ways = {f"torch's fused kernel, the cache in {precision}": lambda: F.scaled_dot_product_attention(
-                query, layers_keys, layers_values),
-            "by hand, the cache in float32 (kernels.one_query_attention)": lambda: one_query_attention(
-                query, keys, values, None)}
+    ways = {"torch's fused kernel, over the positions so far": lambda: F.scaled_dot_product_attention(
+                query, keys, values),
+            f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": lambda: block_attention(
+                query, blocks_keys, blocks_values, visible)}
     seconds = {way: [] for way in ways}
     for _ in range(rounds):
         for way, attend in ways.items():
@@ -163,7 +169,8 @@ def main():
           f"and the step's products at the peak {flops / peak * 1000:.1f} ms")
     print(f"dropping a quarter of the rows from the cache: {narrowing(cache, device) * 1000:.1f} ms")
     if device.type == "cpu":
-        print(f"the attention over the cache, {model.config.n_layer} layers, two ways taking turns (ms a step):")
+        print(f"the attention over the cache in {precision}, {model.config.n_layer} layers, two ways taking turns "
+              "(ms a step):")
         for way, ms in attention_ways(model, device, precision, args.positions).items():
             print(f"  {way}: {ms:.1f}")
     if not args.compile:

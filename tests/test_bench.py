@@ -126,5 +126,6 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
     assert re.search(rf"the attention reads {cache / 1e6:.0f} MB of keys and values a step; at the memory's "
                      r"[\d.]+ GB/s .* that is [\d.]+ ms, and the step's products at the peak [\d.]+ ms", out)
     assert re.search(r"dropping a quarter of the rows from the cache: [\d.]+ ms", out)
-    assert re.search(r"two ways taking turns \(ms a step\):\n  torch's fused kernel, the cache in fp32: [\d.]+\n"
-                     r"  by hand, the cache in float32 \(kernels.one_query_attention\): [\d.]+", out)
+    assert re.search(r"the attention over the cache in fp32, 7 layers, two ways taking turns \(ms a step\):\n"
+                     r"  torch's fused kernel, over the positions so far: [\d.]+\n"
+                     r"  by hand, over blocks of 32 positions \(kernels.block_attention\): [\d.]+", out)

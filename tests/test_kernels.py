@@ -1,5 +1,5 @@
 """kernels.py: log_softmax_at, the attention with a float32 backward pass and the attention of one
-query a row give what torch's own functions give, value and gradient."""
+query a row over a cache in blocks give what torch's own functions give, value and gradient."""
 import pytest
 import torch
 
@@ -140,48 +140,45 @@ def test_the_float32_backward_serves_bfloat16_passes_trained_through_on_a_cpu_an
     assert not calls
 
 
-def one_query_inputs(dtype):
-    # One query a row over 9 cached positions, and which of them each of the 3 rows may see.
+def in_blocks(t, block, unwritten):
+    """(rows, heads, positions, channels) kept as a cache keeps them: (blocks, rows, heads, block,
+    channels), the slots past the last position holding `unwritten`."""
+    blocks = -(-t.size(2) // block)
+    slots = torch.full(t.shape[:2] + (blocks * block, t.size(3)), unwritten, dtype=t.dtype)
+    slots[:, :, :t.size(2)] = t
+    return slots.unflatten(2, (blocks, block)).permute(2, 0, 1, 3, 4)
+
+
+# One query a row over 8 positions (two whole blocks of 4, every row seeing all), and over 9
+# (three blocks, the last with three slots not written: NaN keys, stale values) where each of
+# the 3 rows sees only its own positions.
+@pytest.mark.parametrize("positions, filled", [(8, None), (9, [3, 8, 5])])
+def test_block_attention_is_torchs_attention(positions, filled):
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 2, n, 16, generator=generator, dtype=dtype) for n in (1, 9, 9))
-    visible = (torch.arange(9) <= torch.tensor([3, 8, 5])[:, None])[:, None, None, :]
-    return q, k, v, visible
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_one_query_attention_is_torchs_attention(masked):
-    q, k, v, visible = one_query_inputs(torch.float64)
-    visible = visible if masked else None
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-    torch.testing.assert_close(kernels.one_query_attention(q, k, v, visible), expected, rtol=0, atol=1e-12)
-    # The attention() the model calls takes it for one query a row on a CPU.
-    torch.testing.assert_close(kernels.attention(q, k, v, visible, dropout=0.0, causal=False), expected,
+    q, k, v = (torch.randn(3, 2, n, 16, generator=generator, dtype=torch.float64) for n in (1, positions, positions))
+    keys, values = in_blocks(k, 4, float("nan")), in_blocks(v, 4, 5.0)
+    visible = None if filled is None else (torch.arange(12) <= torch.tensor(filled)[:, None])[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if visible is None else visible[..., :positions])
+    torch.testing.assert_close(kernels.block_attention(q, keys, values, visible), expected, rtol=0, atol=1e-12)
+    # The attention() the model calls takes it for keys in blocks.
+    torch.testing.assert_close(kernels.attention(q, keys, values, visible, dropout=0.0, causal=False), expected,
                                rtol=0, atol=1e-12)
 
 
-def test_one_query_attention_over_a_float32_cache_runs_in_float32_under_bf16s_autocast():
-    q, k, v, visible = one_query_inputs(torch.float32)
-    q = q.bfloat16()  # as the layers give it under the autocast; the cache keeps float32
-    with autocast("cpu", "bf16"):
-        got = kernels.one_query_attention(q, k, v, visible)
-    assert got.dtype == torch.bfloat16
-    # The products in float32: the answer of float32 inputs, rounded once to bfloat16 at the end
-    # (2**-8 of each number at most; in bfloat16 the products would be several times further off).
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible)
-    torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=1e-6)
-
-
-def test_one_query_attention_drops_out_weights_where_asked():
-    q, k, v, visible = one_query_inputs(torch.float32)
-    assert not torch.equal(kernels.one_query_attention(q, k, v, visible, dropout=0.0), torch.zeros_like(q))
-    assert torch.equal(kernels.one_query_attention(q, k, v, visible, dropout=1.0), torch.zeros_like(q))
+def test_block_attention_drops_out_weights_where_asked():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=generator) for n in (1, 8, 8))
+    keys, values = in_blocks(k, 4, 0.0), in_blocks(v, 4, 0.0)
+    assert not torch.equal(kernels.block_attention(q, keys, values, None, dropout=0.0), torch.zeros_like(q))
+    assert torch.equal(kernels.block_attention(q, keys, values, None, dropout=1.0), torch.zeros_like(q))
 
 
 def test_a_new_tokens_attention_runs_by_hand_on_a_cpu_without_amx_and_fused_with_it(monkeypatch):
     model = tiny_model()
     calls = []
-    by_hand = kernels.one_query_attention
-    monkeypatch.setattr(kernels, "one_query_attention", lambda *args: calls.append(1) or by_hand(*args))
+    by_hand = kernels.block_attention
+    monkeypatch.setattr(kernels, "block_attention", lambda *args: calls.append(1) or by_hand(*args))
     tokens = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
     for without_amx in (True, False):
         monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", without_amx)

@@ -10,6 +10,22 @@ from test_model import generate_by_recomputing, tiny_model
 from tokenizer import encode_prompt
 
 
+# Every test here with both of the cache's layouts, whatever the machine: blocks of positions a
+# new token's attention reads by hand (a CPU without AMX keeps blocks of 32; 4 here, so short
+# prompts fill several), and one block of the whole context, read by torch's fused kernel (a CPU
+# with AMX, a GPU).
+@pytest.fixture(autouse=True, params=["blocks", "one block"])
+def cache_layout(request, monkeypatch):
+    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", request.param == "blocks")
+    monkeypatch.setattr(kernels, "CACHE_BLOCK", 4)
+    return request.param
+
+
+def by_position(blocks):
+    """A cache's keys or values in blocks as (layers, rows, heads, positions, channels)."""
+    return blocks.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)
+
+
 def test_prompt_starts_with_end_of_text(small_tokenizer):
     tokens = encode_prompt(small_tokenizer, "Write a story.\n")
     assert tokens[0] == small_tokenizer.eot and small_tokenizer.decode(tokens[1:]) == "Write a story.\n"
@@ -173,13 +189,11 @@ def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_al
             assert torch.equal(out, generate_by_recomputing(model, group, 30))
 
 
-# In bf16 too, the scripts' precision where it is faster, with the cache of a CPU without AMX (float32,
-# attended by hand) and with the bf16 one of a CPU with AMX (torch's fused kernel): a row's logits are its
-# logits alone, whichever rows share its batch, to bf16's rounding (which a CPU's kernels may
-# round differently for another number of rows, so the same greedy tokens are not asked for).
-@pytest.mark.parametrize("by_hand", [True, False])  # a CPU without AMX, and one with it
-def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits_alone(by_hand, monkeypatch):
-    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", by_hand)
+# In bf16 too, the scripts' precision where it is faster, with either layout of the cache: a row's
+# logits are its logits alone, whichever rows share its batch, to bf16's rounding (which a CPU's
+# kernels may round differently for another number of rows, so the same greedy tokens are not
+# asked for).
+def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits_alone():
     model = tiny_model()
     groups = rollout_in_small()
     tokens = torch.randint(0, 97, (4, sum(map(len, groups))), generator=torch.Generator().manual_seed(5))
@@ -188,7 +202,7 @@ def test_in_bf16_a_batch_of_prompts_of_several_lengths_gives_each_row_its_logits
         alone = [sample.prefill(model, [group], 4) for group in groups]
         for step in range(4):
             expected = torch.cat([group_logits for group_logits, _ in alone])
-            assert cache.keys.dtype == (torch.float32 if by_hand else torch.bfloat16)
+            assert cache.keys.dtype == torch.bfloat16  # the layers' precision: half the bytes to read
             torch.testing.assert_close(logits.float(), expected.float(), rtol=0.02, atol=0.05)
             # The same next token for a row in the batch and alone, at each row's own position.
             logits = model(tokens[step][:, None], cache=cache)[0][:, -1]
@@ -246,12 +260,17 @@ def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(len
             model(torch.randint(0, 97, (3 * len(lengths), 1), generator=g), cache=cache)
     filled = cache.filled.tolist() if torch.is_tensor(cache.filled) else [cache.filled] * 3 * len(lengths)
     rows = torch.tensor([True, False, True] * len(lengths))
-    kept = [(cache.keys[:, r, :, :filled[r]].clone(), cache.values[:, r, :, :filled[r]].clone(), filled[r])
-            for r in range(len(rows)) if rows[r]]
+    kept = [(by_position(cache.keys)[:, r, :, :filled[r]].clone(), by_position(cache.values)[:, r, :, :filled[r]].clone(),
+             filled[r]) for r in range(len(rows)) if rows[r]]
+    memory = cache.keys.data_ptr(), cache.values.data_ptr()
     cache.keep(rows)
-    assert cache.keys.size(1) == cache.values.size(1) == len(kept)
+    assert cache.keys.size(2) == cache.values.size(2) == len(kept)
+    # In the memory the cache had, and dense: each layer's blocks one tensor the attention reads as it is.
+    assert (cache.keys.data_ptr(), cache.values.data_ptr()) == memory
+    assert cache.keys.is_contiguous() and cache.values.is_contiguous()
     for row, (keys, values, count) in enumerate(kept):
-        assert torch.equal(cache.keys[:, row, :, :count], keys) and torch.equal(cache.values[:, row, :, :count], values)
+        assert torch.equal(by_position(cache.keys)[:, row, :, :count], keys)
+        assert torch.equal(by_position(cache.values)[:, row, :, :count], values)
     if len(lengths) > 1:
         assert cache.filled.tolist() == [count for _, _, count in kept]
 
