@@ -176,8 +176,9 @@ class KVCache:
         precision, in blocks: (layers, blocks, rows, heads, positions of a block, channels)."""
         self.block = cache_block(device, self.context)
         blocks = -(-self.length // self.block)
-        # Zeros: a block's slots not yet written are read too, with weight 0, and 0 times a
-        # stray NaN of unwritten memory would be NaN.
+        # Zeros, not empty memory: a block's slots not yet written are read too, with weight 0,
+        # and 0 times a stray NaN would be NaN (once rows have left, keep() leaves other rows'
+        # keys and values there, finite too).
         size = (self.n_layer, blocks, rows, heads, self.block, channels)
         self.keys = torch.zeros(size, dtype=dtype, device=device)
         self.values = torch.zeros(size, dtype=dtype, device=device)
