@@ -110,10 +110,10 @@ def block_attention(q, keys, values, visible, dropout=0.0):
     """scaled_dot_product_attention for one query a row (q: rows, heads, 1, channels) over keys
     and values kept in blocks of positions (blocks, rows, heads, positions of a block,
     channels), of which each row sees only `visible` (rows, 1, 1, every block's positions in
-    order; None: all): a block's slots not yet written are read too, with weight 0. Each product is one
-    of many small dense matrices, which torch multiplies on a CPU without copying the cache;
-    the products in the cache's precision, the softmax and the sum of the blocks in float32
-    (float64 for float64 keys)."""
+    order; None: all): a block's slots not yet written are read too, with weight 0. Each
+    product is one of many small dense matrices, which torch multiplies on a CPU without
+    copying the cache; the products in the cache's precision, the softmax and the sum of the
+    blocks in float32 (float64 for float64 keys)."""
     blocks, block = keys.size(0), keys.size(-2)
     precise = torch.promote_types(keys.dtype, torch.float32)
     # Every block's scores in one product, the query the same for each block; then a row's

@@ -260,8 +260,9 @@ def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(len
             model(torch.randint(0, 97, (3 * len(lengths), 1), generator=g), cache=cache)
     filled = cache.filled.tolist() if torch.is_tensor(cache.filled) else [cache.filled] * 3 * len(lengths)
     rows = torch.tensor([True, False, True] * len(lengths))
-    kept = [(by_position(cache.keys)[:, r, :, :filled[r]].clone(), by_position(cache.values)[:, r, :, :filled[r]].clone(),
-             filled[r]) for r in range(len(rows)) if rows[r]]
+    keys, values = by_position(cache.keys), by_position(cache.values)
+    kept = [(keys[:, r, :, :filled[r]].clone(), values[:, r, :, :filled[r]].clone(), filled[r])
+            for r in range(len(rows)) if rows[r]]
     memory = cache.keys.data_ptr(), cache.values.data_ptr()
     cache.keep(rows)
     assert cache.keys.size(2) == cache.values.size(2) == len(kept)
