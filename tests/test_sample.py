@@ -122,10 +122,11 @@ def test_sampling_follows_the_model_distribution():
     assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
 
 
-def test_sampling_over_blocks_of_tokens_follows_the_model_distribution():
-    # next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
-    # vocabulary of several blocks and a padded last one, its probability spread over all of them.
-    vocab = 3 * sample.BLOCK + 10
+# next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
+# vocabulary of several blocks, whole (as the series' 5,376 tokens are) or with a padded last one,
+# its probability spread over all of them.
+@pytest.mark.parametrize("vocab", [3 * sample.BLOCK, 3 * sample.BLOCK + 10])
+def test_sampling_over_blocks_of_tokens_follows_the_model_distribution(vocab):
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 1.5
     tokens = sample.next_token(logits.repeat(40000, 1), 1.0, None, torch.Generator().manual_seed(0))
     shares = torch.bincount(tokens, minlength=vocab).float() / len(tokens)
