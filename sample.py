@@ -276,20 +276,19 @@ def next_token(logits, temperature, top_k, generator):
     # every one of the 5,376 tokens. The running sum is in float64 (but for Apple's MPS, which
     # has none), so that rounding moves no token's share, and in two steps, as a sum that runs
     # along 5,376 numbers is the slowest part of a step: over blocks of BLOCK tokens, to find
-    # the block the draw falls in, then along that block alone. The probabilities themselves
-    # stay in float32: each is added into the float64 sums as it is read, not copied first.
+    # the block the draw falls in, then along that block alone.
     precise = torch.float32 if logits.device.type == "mps" else torch.float64
     rows, vocab = logits.shape
-    probs = F.softmax(logits, dim=-1)
+    probs = F.softmax(logits, dim=-1).to(precise)
     if vocab % BLOCK:  # the last block filled up with tokens of probability 0
         probs = F.pad(probs, (0, -vocab % BLOCK))
     probs = probs.view(rows, -1, BLOCK)
-    by_block = probs.sum(dim=-1, dtype=precise).cumsum(dim=-1)
+    by_block = probs.sum(dim=-1).cumsum(dim=-1)
     uniform = torch.rand(rows, 1, generator=generator, device=logits.device, dtype=precise)
     draw = uniform * by_block[:, -1:]  # scaled by the whole sum, which rounding leaves a hair off 1
     block = torch.searchsorted(by_block, draw, right=True).clamp(max=by_block.size(1) - 1)
     before = F.pad(by_block, (1, 0)).gather(1, block)  # the sum of the blocks before it
-    within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1, dtype=precise)
+    within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1)
     place = torch.searchsorted(within, draw - before, right=True).clamp(max=BLOCK - 1)
     # Rounding can leave a draw a hair past its block's sum: it then takes the block's last token.
     return (block * BLOCK + place).squeeze(1).clamp(max=vocab - 1)
