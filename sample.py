@@ -258,6 +258,7 @@ class KVCache:
 def sampling_logits(logits, temperature, top_k):
     """The logits a token is drawn from: divided by the temperature, and all but the k
     likeliest tokens ruled out when top_k is given."""
+    # At temperature 1 the division would only copy them.
     logits = logits.float() if temperature == 1 else logits.float() / temperature
     if top_k:
         kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[..., [-1]]
