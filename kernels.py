@@ -77,10 +77,10 @@ FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
 
 
 # Writing with a cache, a new token's attention reads every cached key and value and multiplies
-# little. On a CPU with AMX (Intel's matrix units), torch's fused kernel did it fastest over the
-# positions so far (episode 16's step 6, on an Intel Xeon); on a CPU without, two products by
-# hand over a cache kept in blocks of 32 positions took a third of its time or less (step 12, on
-# an AMD EPYC), so they run there.
+# little. On a CPU with AMX (Intel's matrix units), torch's fused kernel does it fastest over the
+# positions so far; on a CPU without, two products by hand over a cache kept in blocks of 32
+# positions take a third of its time or less, so they run there (bench/decode.py times both;
+# episode 16's speed page has the figures, an Intel Xeon's and an AMD EPYC's).
 BY_HAND_ON_CPU = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 CACHE_BLOCK = 32  # positions in a block of the cache, where block_attention reads it
 
