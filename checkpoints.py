@@ -3,6 +3,7 @@ What a run keeps: the folders it writes to (checkpoints/ and runs/), the setting
 with, and its checkpoints, saved whole or not at all and loaded safely. Plumbing that every
 training script imports; a learner may skip it.
 """
+import math
 from dataclasses import asdict
 from pathlib import Path
 from textwrap import shorten
@@ -26,11 +27,14 @@ def run_settings(args, constants, **more):
     """The settings a run prints, logs and saves with its checkpoints, from one source: the
     script's constants (its module's upper-case names that hold a number, a string, or a tuple
     of those: its own and those it imports), then its options, then `more`; lower-cased, so
-    BATCH is batch. An option overrides the constant of its name (--lr over LR)."""
+    BATCH is batch. An option overrides the constant of its name (--lr over LR). An option
+    without a bound (math.inf: --rollouts not given) is recorded as None, as JSON, which the
+    settings are printed and logged in, has no infinity."""
     recorded = {name.lower(): value for name, value in constants.items()
                 if name.isupper() and (type(value) in SETTING or
                                        (type(value) is tuple and all(type(v) in SETTING for v in value)))}
-    return {**recorded, **vars(args), **more}
+    options = {name: None if value == math.inf else value for name, value in vars(args).items()}
+    return {**recorded, **options, **more}
 
 
 def checkpoint_file(path):

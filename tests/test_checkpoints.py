@@ -1,5 +1,7 @@
 import argparse
 import errno
+import json
+import math
 import os
 import re
 import time
@@ -34,12 +36,14 @@ def test_a_run_s_settings_are_its_constants_then_its_options():
     constants = {"BATCH": 16, "BETAS": (0.9, 0.95), "LR": 1e-3, "EXAMPLE": "Write a story.", "AMX": True,
                  "DATA": Path("data"), "WORD": re.compile("x"), "TINY": {"n_layer": 2}, "BOTH": (1, Path("x")),
                  "make": print, "lower_case": 3, "NUMPY": np.float64(0.5)}
-    options = argparse.Namespace(lr=3e-4, minutes=10.0, device=None)
+    options = argparse.Namespace(lr=3e-4, minutes=10.0, rollouts=math.inf, device=None)
     settings = run_settings(options, constants, device="cpu", script="x.py")
     # Numbers, strings and tuples of them, by their lower-case names; not paths, patterns, dicts, functions
     # or numpy numbers (which a checkpoint loaded with weights_only=True refuses).
+    # An option without a bound as None: the settings are printed and logged as JSON, which has no infinity.
     assert settings == {"batch": 16, "betas": (0.9, 0.95), "lr": 3e-4, "example": "Write a story.", "amx": True,
-                        "minutes": 10.0, "device": "cpu", "script": "x.py"}
+                        "minutes": 10.0, "rollouts": None, "device": "cpu", "script": "x.py"}
+    json.dumps(settings, allow_nan=False)
 
 
 def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):
