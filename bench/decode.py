@@ -87,31 +87,37 @@ def narrowing(cache, device):
     return timed(device, lambda: cache.keep(rows))[1]
 
 
-def attention_ways(model, device, precision, positions, rounds=5):
+def attention_ways(model, device, precision, positions, rounds=5, more=None):
     """A step's attention over the cache, every layer's, for ROWS rows at `positions` cached
     positions of a longer cache, as the writing reads it (without the mask of rows at several
-    positions): two ways, taking turns, each way's milliseconds a step, the median of `rounds`."""
+    positions): two ways, and any in `more` (names, and functions that take block_attention's
+    inputs), taking turns, each way's milliseconds a step, the median of `rounds`. Each layer
+    reads its own cache, as in a step: one layer's read again would come from the CPU's own
+    cache where it fits, and faster than a step reads it."""
     c = model.config
     generator = torch.Generator(device=device).manual_seed(0)
     blocks = -(-(positions + 80) // CACHE_BLOCK)  # room for 80 more tokens, as a cache has
     shape = (blocks, ROWS, c.n_head, CACHE_BLOCK, c.n_embd // c.n_head)
     query = torch.randn(ROWS, c.n_head, 1, shape[-1], generator=generator, device=device).to(DTYPES[precision])
-    in_blocks = [torch.randn(shape, generator=generator, device=device).to(query.dtype) for _ in range(2)]
+    layers = [[torch.randn(shape, generator=generator, device=device).to(query.dtype) for _ in range(2)]
+              for _ in range(c.n_layer)]
     # The same numbers in order of position (rows, heads, positions, channels), and the positions so far.
-    keys, values = (cache.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :positions] for cache in in_blocks)
+    in_order = [[cache.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :positions] for cache in layer] for layer in layers]
     # Every block holding a position so far, whole, and which of its slots are those positions.
     read = -(-positions // CACHE_BLOCK)
-    blocks_keys, blocks_values = (cache[:read] for cache in in_blocks)
+    in_blocks = [[cache[:read] for cache in layer] for layer in layers]
     visible = torch.arange(read * CACHE_BLOCK, device=device) < positions
 
-    ways = {"torch's fused kernel, over the positions so far": lambda: F.scaled_dot_product_attention(
-                query, keys, values),
-            f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": lambda: block_attention(
-                query, blocks_keys, blocks_values, visible)}
+    by_hand = {f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": block_attention,
+               **(more or {})}
+    ways = {"torch's fused kernel, over the positions so far": lambda layer: F.scaled_dot_product_attention(
+        query, *in_order[layer])}
+    ways.update({way: lambda layer, attend=attend: attend(query, *in_blocks[layer], visible)
+                 for way, attend in by_hand.items()})
     seconds = {way: [] for way in ways}
     for _ in range(rounds):
         for way, attend in ways.items():
-            seconds[way].append(timed(device, lambda: [attend() for _ in range(c.n_layer)])[1])
+            seconds[way].append(timed(device, lambda: [attend(layer) for layer in range(c.n_layer)])[1])
     return {way: statistics.median(s) * 1000 for way, s in seconds.items()}
 
 

@@ -5,12 +5,18 @@ length it is given, in both precisions. The benchmark of two ways taking turns t
 and their log-probabilities agree. The rollout benchmark prints each part of a rollout with
 its share of the matrix peak."""
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import is_ninja_available
 
 import kernels
 from model import TINY
@@ -129,3 +135,86 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
     assert re.search(r"the attention over the cache in fp32, 7 layers, two ways taking turns \(ms a step\):\n"
                      r"  torch's fused kernel, over the positions so far: [\d.]+\n"
                      r"  by hand, over blocks of 32 positions \(kernels.block_attention\): [\d.]+", out)
+
+
+# The hand-written kernel builds only where there is AVX-512, a C++ compiler and ninja.
+KERNEL_BUILDS = (torch.backends.cpu.get_cpu_capability() == "AVX512" and is_ninja_available()
+                 and shutil.which(os.environ.get("CXX", "c++")) is not None
+                 and Path(sysconfig.get_paths()["include"], "Python.h").exists())
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="the kernel needs an x86 CPU with AVX-512, a C++ compiler and ninja")
+@pytest.mark.parametrize("channels", [16, 32, 64])  # the tiny model's heads, the series', and the one between
+def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(channels):
+    from bench import attention_kernel
+
+    attention = attention_kernel.as_attention(attention_kernel.build()[0])
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
+    q = torch.randn(rows, heads, 1, channels, generator=generator).bfloat16()
+    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).bfloat16() for _ in range(2))
+    # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN,
+    # keys and values, as the kernel may not read them into its answer.
+    seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
+    seen[:2] = torch.tensor([1, blocks * block])
+    visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
+    unseen = ~visible[:, 0, 0].T.reshape(blocks, block, rows).transpose(1, 2)  # (blocks, rows, block)
+    for cache in (keys, values):
+        cache[unseen[:, :, None, :, None].expand_as(cache)] = float("nan")
+    in_order = [cache.double().nan_to_num().permute(1, 2, 0, 3, 4).flatten(2, 3) for cache in (keys, values)]
+    exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
+    by_hand = kernels.block_attention(q, keys.nan_to_num(), values.nan_to_num(), visible)
+    ours = attention(q, keys, values, visible)
+    assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
+    # bf16's rounding apart from torch's way, and no further from the exact answer than it.
+    assert torch.allclose(ours.double(), by_hand.double(), atol=2e-2)
+    assert (ours.double() - exact).abs().mean() <= (by_hand.double() - exact).abs().mean()
+    # With no mask, every position of every block.
+    whole = F.scaled_dot_product_attention(q.double(), *[c.nan_to_num() for c in in_order])
+    assert torch.allclose(attention(q, keys.nan_to_num(), values.nan_to_num(), None).double(), whole, atol=2e-2)
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason="the kernel needs an x86 CPU with AVX-512, a C++ compiler and ninja")
+def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_pairs(run_main, monkeypatch, capsys):
+    import grpo
+    from bench import attention_kernel
+    from bench import train as train_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
+    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", False)  # as on a CPU with AMX: the bench still sets both ways
+    monkeypatch.setattr(attention_kernel, "matmul_peak",
+                        lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256, repeats=2))
+    # Which attention the rollouts' steps ran (the tiny model's heads have 16 channels, the
+    # series' shapes elsewhere 64): each way, in its own rollouts.
+    used = set()
+
+    def spy(way, attend):
+        return lambda q, *args, **kwargs: (q.size(-1) == 16 and used.add(way)) or attend(q, *args, **kwargs)
+    monkeypatch.setattr(attention_kernel, "as_attention",
+                        lambda compiled, made=attention_kernel.as_attention: spy("kernel", made(compiled)))
+    monkeypatch.setattr(kernels, "block_attention", spy("plain", kernels.block_attention))
+    run_main(attention_kernel, "--rollouts", "2", "--rounds", "1")
+    out = capsys.readouterr().out
+    for way in ("kernels.block_attention", "the kernel"):
+        assert re.search(rf"^  {way}: 0\.\d{{5}} on average, 0\.\d{{4}} at most$", out, re.MULTILINE)
+        assert re.search(rf"^  {way}: [\d.]+ s, \d+ µs a token, \d+% of the peak$", out, re.MULTILINE)
+    for positions in (32, 128, 224):
+        assert re.search(rf"^\| {positions} \|( [\d.]+ \|){{3}}$", out, re.MULTILINE)
+    assert re.search(r"pair by pair: [\d.]+, [\d.]+ \(median [\d.]+\)$", out, re.MULTILINE)
+    assert used == {"plain", "kernel"}
+
+
+def test_decode_benchmark_s_attention_reads_each_layer_s_own_cache():
+    # One layer's cache read again would come from the CPU's cache where it fits: faster than a step.
+    from bench import decode
+    from model import GPT, Config
+
+    model = GPT(Config(vocab_size=64, **TINY))
+    read = []
+
+    def spy(q, keys, values, visible):
+        read.append((keys.data_ptr(), values.data_ptr()))
+        return kernels.block_attention(q, keys, values, visible)
+    times = decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=2, more={"spy": spy})
+    assert len(times) == 3 and len(read) == 2 * TINY["n_layer"]
+    assert len(set(read)) == TINY["n_layer"] and len({ptr for pair in read for ptr in pair}) == 2 * TINY["n_layer"]

@@ -1,0 +1,250 @@
+"""
+Benchmark: what a hand-written kernel would buy the writing on a CPU without AMX, where a new
+token's attention over the cache is kernels.block_attention, two of torch's products a block.
+The kernel below does the same work in C++ with AVX-512 instructions: for each row and head,
+the scores in float32 from the bf16 keys, their softmax, and the values weighed in float32,
+in one pass that reads each key and value once. torch compiles it as the bench starts
+(torch.utils.cpp_extension.load_inline: a C++ compiler and the ninja build tool, 20 seconds
+or more the first time, then kept).
+
+It measures three things: how near each way comes to the float64 answer; a step's attention,
+7 layers of 128 rows at 32, 128 and 224 positions, three ways taking turns (bench/decode.py's
+two, and the kernel); and a rollout's writing from the fine-tuned model, block_attention and
+the kernel in pairs in one process (the order changing each pair), as separate runs move
+with a busy machine by more than this does.
+
+The series does not use the kernel: it needs a compiler and ninja where a learner runs it,
+compiles the first time for longer than it saves in a first ten-minute run, and runs only on
+x86 CPUs with AVX-512 (episode 16's speed page has the figures, and why). On a CPU with AMX,
+where the writing takes torch's fused kernel, the bench still sets the kernel beside
+block_attention, the cache in blocks for both.
+
+    python bench/attention_kernel.py                  (about a minute and a half on a 2-core CPU)
+    python bench/attention_kernel.py --rollouts 10    (ten pairs: about a minute more)
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from bench.decode import attention_ways  # noqa: E402
+from bench.train import flops_per_token, matmul_peak  # noqa: E402
+from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
+from devices import autocast, machine  # noqa: E402
+from grpo import rollout  # noqa: E402
+from model import GPT, Config  # noqa: E402
+from preferences import load_asks  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+
+KERNEL = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+
+constexpr int64_t MOST_POSITIONS = 1024;  // a row's scores, kept on the stack
+
+// 16 bf16 numbers as float32 ones: a bf16 number is the upper half of a float32's bits.
+static inline __m512 load16(const at::BFloat16* from) {
+    __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// One row and head: its query over the first `seen` positions of its keys and values, which
+// lie `block` positions at a time, `apart` numbers between one block and the next.
+template <int CHANNELS>
+static void attend_one(const at::BFloat16* query, const at::BFloat16* keys, const at::BFloat16* values,
+                       int64_t apart, int64_t block, int64_t seen, at::BFloat16* out) {
+    constexpr int PARTS = CHANNELS / 16;
+    float scores[MOST_POSITIONS];
+    __m512 q[PARTS];
+    for (int part = 0; part < PARTS; part++) q[part] = load16(query + 16 * part);
+    // The scores in float32, block by block, and the largest, which the softmax subtracts.
+    const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
+    float largest = -INFINITY;
+    for (int64_t start = 0; start < seen; start += block) {
+        const at::BFloat16* key = keys + (start / block) * apart;
+        for (int64_t p = start; p < std::min(seen, start + block); p++, key += CHANNELS) {
+            __m512 sum = _mm512_mul_ps(q[0], load16(key));
+            for (int part = 1; part < PARTS; part++) sum = _mm512_fmadd_ps(q[part], load16(key + 16 * part), sum);
+            scores[p] = _mm512_reduce_add_ps(sum) * scale;
+            largest = std::max(largest, scores[p]);
+        }
+    }
+    // The softmax's weights, left unnormalized until the end; then the values weighed by them.
+    float total = 0.0f;
+    for (int64_t p = 0; p < seen; p++) total += scores[p] = std::exp(scores[p] - largest);
+    __m512 sum[PARTS];
+    for (int part = 0; part < PARTS; part++) sum[part] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < seen; start += block) {
+        const at::BFloat16* value = values + (start / block) * apart;
+        for (int64_t p = start; p < std::min(seen, start + block); p++, value += CHANNELS) {
+            __m512 weight = _mm512_set1_ps(scores[p]);
+            for (int part = 0; part < PARTS; part++) sum[part] = _mm512_fmadd_ps(weight, load16(value + 16 * part), sum[part]);
+        }
+    }
+    float result[CHANNELS];
+    for (int part = 0; part < PARTS; part++)
+        _mm512_storeu_ps(result + 16 * part, _mm512_mul_ps(sum[part], _mm512_set1_ps(1.0f / total)));
+    for (int c = 0; c < CHANNELS; c++) out[c] = at::BFloat16(result[c]);
+}
+
+// q: (rows, heads, 1, channels); keys and values: (blocks, rows, heads, positions of a block,
+// channels), as sample.KVCache keeps them; all bf16. A row sees its first seen[row] positions.
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor seen) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+                values.scalar_type() == at::kBFloat16, "the kernel takes bf16");
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(),
+                "keys and values must be contiguous: the kernel reads a cache's blocks in place");
+    TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes(),
+                "keys and values: (blocks, rows, heads, positions of a block, channels), of one shape");
+    const int64_t blocks = keys.size(0), rows = keys.size(1), heads = keys.size(2), block = keys.size(3);
+    const int64_t channels = keys.size(4);
+    TORCH_CHECK(q.sizes() == torch::IntArrayRef({rows, heads, 1, channels}), "q: (rows, heads, 1, channels)");
+    TORCH_CHECK(seen.numel() == rows && seen.min().item<int64_t>() >= 1, "seen: at least one position for each row");
+    TORCH_CHECK(channels == 16 || channels == 32 || channels == 64, "a head's channels: 16, 32 or 64");
+    TORCH_CHECK(blocks * block <= MOST_POSITIONS, "at most ", MOST_POSITIONS, " positions");
+    q = q.contiguous();
+    seen = seen.to(torch::kLong).clamp_max(blocks * block).contiguous();
+    auto out = torch::empty_like(q);
+    const at::BFloat16 *Q = q.data_ptr<at::BFloat16>(), *K = keys.data_ptr<at::BFloat16>();
+    const at::BFloat16* V = values.data_ptr<at::BFloat16>();
+    const int64_t* S = seen.data_ptr<int64_t>();
+    at::BFloat16* O = out.data_ptr<at::BFloat16>();
+    const int64_t apart = rows * heads * block * channels;
+    // Each row and head on its own: both cores take a share of them.
+    at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t first = i * block * channels, seen_here = S[i / heads];
+            if (channels == 16) attend_one<16>(Q + i * 16, K + first, V + first, apart, block, seen_here, O + i * 16);
+            if (channels == 32) attend_one<32>(Q + i * 32, K + first, V + first, apart, block, seen_here, O + i * 32);
+            if (channels == 64) attend_one<64>(Q + i * 64, K + first, V + first, apart, block, seen_here, O + i * 64);
+        }
+    });
+    return out;
+}
+"""
+
+
+def build():
+    """The compiled kernel (20 seconds or more the first time on a machine, then torch's kept
+    build), and the seconds it took; or an exit that says what is missing."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        raise SystemExit(f"the kernel needs an x86 CPU with AVX-512; this one offers "
+                         f"{torch.backends.cpu.get_cpu_capability()}")
+    from torch.utils.cpp_extension import load_inline
+
+    started = time.perf_counter()
+    try:
+        compiled = load_inline("attention_kernel", cpp_sources=KERNEL, functions=["attend"],
+                               extra_cflags=["-O3", "-mavx512f", "-fopenmp"])
+    except (RuntimeError, OSError) as error:  # no compiler, no ninja, or the build failed
+        raise SystemExit(f"the kernel did not build (it needs a C++ compiler and ninja): "
+                         f"{str(error).strip().partition(chr(10))[0]}")
+    return compiled, time.perf_counter() - started
+
+
+def as_attention(compiled):
+    """The kernel behind block_attention's interface, for the writing (bf16, no dropout): the
+    cache's `visible` is each row's first positions, so a row's count of them is all it needs."""
+    def attention(q, keys, values, visible, dropout=0.0):
+        assert q.dtype == torch.bfloat16 and not dropout, "the kernel writes in bf16, without dropout"
+        if visible is None:
+            seen = torch.full((q.size(0),), keys.size(0) * keys.size(-2), device=q.device)
+        else:  # (rows, 1, 1, positions) as the cache makes it, or one row of positions for all
+            seen = visible.expand(q.size(0), 1, 1, visible.size(-1))[:, 0, 0].sum(-1)
+        return compiled.attend(q, keys, values, seen)
+    return attention
+
+
+def errors_from_float64(attention, rows=128, heads=6, channels=64, blocks=7, seed=0):
+    """The mean and the largest distance of a way's bf16 answer from the float64 one, rows at
+    several positions of a cache in blocks, each seeing its first ones."""
+    generator = torch.Generator().manual_seed(seed)
+    block = kernels.CACHE_BLOCK
+    q = torch.randn(rows, heads, 1, channels, generator=generator).bfloat16()
+    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).bfloat16()
+                    for _ in range(2))
+    seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
+    visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
+    # The reference: torch's attention in float64 over the positions in order, masked as the rows see them.
+    in_order = [cache.double().permute(1, 2, 0, 3, 4).flatten(2, 3) for cache in (keys, values)]
+    exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
+    apart = (attention(q, keys, values, visible).double() - exact).abs()
+    return float(apart.mean()), float(apart.max())
+
+
+def writing_in_pairs(model, tokenizer, attention, pairs):
+    """A rollout's writing with block_attention and with `attention` in turn, `pairs` times, each
+    pair the same instructions and draws, the order changing each pair: each way's seconds and tokens."""
+    by_length = load_asks(tokenizer)
+    asks = [ask for length in sorted(by_length) for ask in by_length[length]]
+    ways = {"kernels.block_attention": kernels.block_attention, "the kernel": attention}
+    taken = {way: [] for way in ways}
+    # The cache in blocks, which both ways read, where a CPU with AMX would keep one block.
+    with autocast(torch.device("cpu"), "bf16"), mock.patch.object(kernels, "BY_HAND_ON_CPU", True):
+        rollout(model, tokenizer, asks, np.random.default_rng(pairs), pairs)  # once first, as the process warms up
+        for pair in range(pairs):
+            for way in list(ways)[::1 if pair % 2 == 0 else -1]:
+                with mock.patch.object(kernels, "block_attention", ways[way]):
+                    started = time.perf_counter()
+                    _, stories, _ = rollout(model, tokenizer, asks, np.random.default_rng(pair), pair)
+                    taken[way].append((time.perf_counter() - started, sum(len(story) for story in stories)))
+    return taken
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
+    parser.add_argument("--rollouts", type=int, default=5, help="pairs of rollouts' writing (0: none)")
+    parser.add_argument("--rounds", type=int, default=5, help="turns of the attention alone, at each length")
+    args = parser.parse_args()
+    if args.rollouts < 0 or args.rounds < 1:
+        parser.error("--rollouts must be 0 or more, --rounds at least 1")
+    compiled, seconds = build()
+    attention = as_attention(compiled)
+    print(f"machine: {machine()}; the kernel built (or loaded) in {seconds:.1f} s")
+
+    print("\nfrom the float64 answer, 128 rows at 1 to 224 positions, bf16 inputs:")
+    for way, attend in (("kernels.block_attention", kernels.block_attention), ("the kernel", attention)):
+        mean, largest = errors_from_float64(attend)
+        print(f"  {way}: {mean:.5f} on average, {largest:.4f} at most")
+
+    series = GPT(Config())  # the series' shapes: its layers, heads and channels
+    print("\na step's attention, 7 layers, 128 rows, bf16, three ways taking turns (ms a step):")
+    print("| positions | torch's fused kernel | kernels.block_attention | the kernel |")
+    print("| --- | --- | --- | --- |")
+    for positions in (32, 128, 224):
+        times = attention_ways(series, torch.device("cpu"), "bf16", positions, args.rounds, {"the kernel": attention})
+        print(f"| {positions} | " + " | ".join(f"{ms:.1f}" for ms in times.values()) + " |")
+
+    if args.rollouts:
+        tokenizer = load_tokenizer()
+        model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval()
+        taken = writing_in_pairs(model, tokenizer, attention, args.rollouts)
+        # The writing's share of the peak as bench/rollout.py counts it, a forward pass a story
+        # token (the rollout's scoring, about 0.02 s, included here).
+        peak, forward = matmul_peak(torch.device("cpu"), torch.bfloat16), flops_per_token(model) / 3
+        print(f"\na rollout's writing, 128 stories, bf16, {args.rollouts} pairs in one process (medians; the bf16 "
+              f"matrix peak measured at {peak / 1e12:.2f} TFLOP/s):")
+        for way, runs in taken.items():
+            print(f"  {way}: {statistics.median(s for s, _ in runs):.2f} s, "
+                  f"{statistics.median(s / tokens * 1e6 for s, tokens in runs):.0f} µs a token, "
+                  f"{statistics.median(tokens * forward / s for s, tokens in runs) / peak:.0%} of the peak")
+        ratios = [kernel[0] / plain[0] for plain, kernel in zip(*taken.values())]
+        print(f"  the kernel's time over block_attention's, pair by pair: {', '.join(f'{r:.2f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
