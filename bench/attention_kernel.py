@@ -149,8 +149,8 @@ def build():
         compiled = load_inline("attention_kernel", cpp_sources=KERNEL, functions=["attend"],
                                extra_cflags=["-O3", "-mavx512f", "-fopenmp"])
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, or the build failed
-        raise SystemExit(f"the kernel did not build (it needs a C++ compiler and ninja): "
-                         f"{str(error).strip().partition(chr(10))[0]}")
+        first_line = str(error).strip().partition("\n")[0]
+        raise SystemExit(f"the kernel did not build (it needs a C++ compiler and ninja): {first_line}")
     return compiled, time.perf_counter() - started
 
 
