@@ -11,7 +11,7 @@ It measures three things: how near each way comes to the float64 answer; a step'
 7 layers of 128 rows at 32, 128 and 224 positions, three ways taking turns (bench/decode.py's
 two, and the kernel); and a rollout's writing from the fine-tuned model, block_attention and
 the kernel in pairs in one process (the order changing each pair), as separate runs move
-with a busy machine by more than this does.
+with a busy machine by more than the two ways differ.
 
 The series does not use the kernel: it needs a compiler and ninja where a learner runs it,
 compiles the first time for longer than it saves in a first ten-minute run, and runs only on
@@ -90,7 +90,8 @@ static void attend_one(const at::BFloat16* query, const at::BFloat16* keys, cons
         const at::BFloat16* value = values + (start / block) * apart;
         for (int64_t p = start; p < std::min(seen, start + block); p++, value += CHANNELS) {
             __m512 weight = _mm512_set1_ps(scores[p]);
-            for (int part = 0; part < PARTS; part++) sum[part] = _mm512_fmadd_ps(weight, load16(value + 16 * part), sum[part]);
+            for (int part = 0; part < PARTS; part++)
+                sum[part] = _mm512_fmadd_ps(weight, load16(value + 16 * part), sum[part]);
         }
     }
     float result[CHANNELS];
@@ -122,7 +123,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     const int64_t* S = seen.data_ptr<int64_t>();
     at::BFloat16* O = out.data_ptr<at::BFloat16>();
     const int64_t apart = rows * heads * block * channels;
-    // Each row and head on its own: both cores take a share of them.
+        // Each row and head on its own: the threads share them out.
     at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; i++) {
             const int64_t first = i * block * channels, seen_here = S[i / heads];

@@ -137,13 +137,14 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
                      r"  by hand, over blocks of 32 positions \(kernels.block_attention\): [\d.]+", out)
 
 
-# The hand-written kernel builds only where there is AVX-512, a C++ compiler and ninja.
+# The hand-written kernel builds only where there is AVX-512, a C++ compiler, ninja and Python's headers.
+KERNEL_NEEDS = "the kernel needs an x86 CPU with AVX-512, a C++ compiler, ninja and Python's headers"
 KERNEL_BUILDS = (torch.backends.cpu.get_cpu_capability() == "AVX512" and is_ninja_available()
                  and shutil.which(os.environ.get("CXX", "c++")) is not None
                  and Path(sysconfig.get_paths()["include"], "Python.h").exists())
 
 
-@pytest.mark.skipif(not KERNEL_BUILDS, reason="the kernel needs an x86 CPU with AVX-512, a C++ compiler and ninja")
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
 @pytest.mark.parametrize("channels", [16, 32, 64])  # the tiny model's heads, the series', and the one between
 def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(channels):
     from bench import attention_kernel
@@ -153,8 +154,9 @@ def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(chann
     rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
     q = torch.randn(rows, heads, 1, channels, generator=generator).bfloat16()
     keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).bfloat16() for _ in range(2))
-    # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN,
-    # keys and values, as the kernel may not read them into its answer.
+        # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN in
+    # both keys and values: the kernel must leave them out of its answer (block_attention gets
+    # zeros there, as its products would carry a NaN).
     seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
     seen[:2] = torch.tensor([1, blocks * block])
     visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
@@ -166,7 +168,7 @@ def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(chann
     by_hand = kernels.block_attention(q, keys.nan_to_num(), values.nan_to_num(), visible)
     ours = attention(q, keys, values, visible)
     assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
-    # bf16's rounding apart from torch's way, and no further from the exact answer than it.
+        # Within bf16's rounding of block_attention's answer, and no further from the exact one than it.
     assert torch.allclose(ours.double(), by_hand.double(), atol=2e-2)
     assert (ours.double() - exact).abs().mean() <= (by_hand.double() - exact).abs().mean()
     # With no mask, every position of every block.
@@ -174,7 +176,7 @@ def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(chann
     assert torch.allclose(attention(q, keys.nan_to_num(), values.nan_to_num(), None).double(), whole, atol=2e-2)
 
 
-@pytest.mark.skipif(not KERNEL_BUILDS, reason="the kernel needs an x86 CPU with AVX-512, a C++ compiler and ninja")
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
 def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_pairs(run_main, monkeypatch, capsys):
     import grpo
     from bench import attention_kernel
