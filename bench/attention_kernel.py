@@ -14,10 +14,10 @@ the kernel in pairs in one process (the order changing each pair), as separate r
 with a busy machine by more than the two ways differ.
 
 The series does not use the kernel: it needs a compiler and ninja where a learner runs it,
-compiles the first time for longer than it saves in a first ten-minute run, and runs only on
-x86 CPUs with AVX-512 (episode 16's speed page has the figures, and why). On a CPU with AMX,
-where the writing takes torch's fused kernel, the bench still sets the kernel beside
-block_attention, the cache in blocks for both.
+compiles the first time for about as long as it saves in a first ten-minute run, or longer,
+and runs only on x86 CPUs with AVX-512 (episode 16's speed page has the figures, and why).
+On a CPU with AMX, where the writing takes torch's fused kernel, the bench still sets the
+kernel beside block_attention, the cache in blocks for both.
 
     python bench/attention_kernel.py                  (about a minute and a half on a 2-core CPU)
     python bench/attention_kernel.py --rollouts 10    (ten pairs: about a minute more)
