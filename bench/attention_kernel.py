@@ -212,6 +212,9 @@ def main():
     args = parser.parse_args()
     if args.rollouts < 0 or args.rounds < 1:
         parser.error("--rollouts must be 0 or more, --rounds at least 1")
+    # The model first: a missing or damaged checkpoint says so before a minute of building and timing.
+    tokenizer = load_tokenizer() if args.rollouts else None
+    model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval() if args.rollouts else None
     compiled, seconds = build()
     attention = as_attention(compiled)
     print(f"machine: {machine()}; the kernel built (or loaded) in {seconds:.1f} s")
@@ -230,8 +233,6 @@ def main():
         print(f"| {positions} | " + " | ".join(f"{ms:.1f}" for ms in times.values()) + " |")
 
     if args.rollouts:
-        tokenizer = load_tokenizer()
-        model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval()
         taken = writing_in_pairs(model, tokenizer, attention, args.rollouts)
         # The writing's share of the peak as bench/rollout.py counts it, a forward pass a story
         # token (the rollout's scoring, about 0.02 s, included here).

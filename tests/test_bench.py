@@ -191,9 +191,13 @@ def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_pairs(r
     used = set()
 
     def spy(way, attend):
-        return lambda q, *args, **kwargs: (q.size(-1) == 16 and used.add(way)) or attend(q, *args, **kwargs)
-    monkeypatch.setattr(attention_kernel, "as_attention",
-                        lambda compiled, made=attention_kernel.as_attention: spy("kernel", made(compiled)))
+        def attention(q, *args, **kwargs):
+            if q.size(-1) == 16:
+                used.add(way)
+            return attend(q, *args, **kwargs)
+        return attention
+    as_attention = attention_kernel.as_attention
+    monkeypatch.setattr(attention_kernel, "as_attention", lambda compiled: spy("kernel", as_attention(compiled)))
     monkeypatch.setattr(kernels, "block_attention", spy("plain", kernels.block_attention))
     run_main(attention_kernel, "--rollouts", "2", "--rounds", "1")
     out = capsys.readouterr().out
@@ -204,6 +208,14 @@ def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_pairs(r
         assert re.search(rf"^\| {positions} \|( [\d.]+ \|){{3}}$", out, re.MULTILINE)
     assert re.search(r"pair by pair: [\d.]+, [\d.]+ \(median [\d.]+\)$", out, re.MULTILINE)
     assert used == {"plain", "kernel"}
+
+
+def test_attention_kernel_benchmark_names_a_missing_checkpoint_before_building(run_main, monkeypatch, capsys):
+    from bench import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "build", lambda: pytest.fail("built before checking the checkpoint"))
+    with pytest.raises(SystemExit, match="python finetune.py"):
+        run_main(attention_kernel, "checkpoints/finetune/step-9.pt", "--rollouts", "1")
 
 
 def test_decode_benchmark_s_attention_reads_each_layer_s_own_cache():
