@@ -103,7 +103,7 @@ WARMUP = 50  # steps
 EVAL_EVERY = 100  # steps
 HELD_BACK = 256  # train instructions kept out of training, for the instruction loss
 # Fine-tuning reads the first TUNE_POOL instructions: all of the shared sample's 1,240, and on the
-# full download (over half a million) more than a 3,000-step run asks for (36,000), not the whole file.
+# full download (over half a million) more than a 3,000-step run asks for (30,000), not the whole file.
 TUNE_POOL = 50_000
 SEEDS_APART = 1_000_000  # asks of a story between two training seeds' first: more than any run makes
 EXAMPLE = instruction(["kite", "river", "brave"])  # the story logged at each evaluation
@@ -115,6 +115,14 @@ def encode_example(tokenizer, example):
     prompt = encode_prompt(tokenizer, example["instruction"])
     tokens = prompt + tokenizer.encode(example["story"]) + [tokenizer.eot]
     return tokens[:MAX_LENGTH], len(prompt)
+
+
+def split_held_back(instructions):
+    """The instructions to train on, and the last HELD_BACK of one shuffle with the series'
+    seed, whatever the run's: the same held back for every run, to measure the instruction
+    loss (bench/instruction_probe.py probes them too)."""
+    order = np.random.default_rng(SEED).permutation(len(instructions))
+    return [instructions[i] for i in order[:-HELD_BACK]], [instructions[i] for i in order[-HELD_BACK:]]
 
 
 def a_pass(rng, stories, asks, epoch, seed=SEED):
@@ -280,14 +288,13 @@ def main():
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the model itself.
     ddp_model = distributed.wrap(model)
 
-    # Shuffle once with the series' seed, whatever the run's: the last HELD_BACK examples measure the
-    # instruction loss, the same ones for every run (bench/instruction_probe.py reads them too).
+    # The same HELD_BACK examples measure the instruction loss in every run; the rest are trained on.
     instructions = read_instructions(limit=TUNE_POOL)
     if len(instructions) < HELD_BACK + BATCH:
         raise SystemExit(f"{len(instructions)} instructions are too few: {HELD_BACK} are held back and a batch is {BATCH}")
-    order = np.random.default_rng(SEED).permutation(len(instructions))
-    tune_stories = [instructions[i]["story"] for i in order[:-HELD_BACK]]
-    held_back = [encode_example(tokenizer, instructions[i]) for i in order[-HELD_BACK:]]
+    training, held = split_held_back(instructions)
+    tune_stories = [example["story"] for example in training]
+    held_back = [encode_example(tokenizer, example) for example in held]
     askable, nouns = read_words()
     asked_rows = BATCH - plain_rows
     cut = sum(tokens[-1] != tokenizer.eot for tokens, _ in held_back)
@@ -323,6 +330,7 @@ def main():
     # Each example is made as it is drawn, so that nothing waits on the size of the data.
     epoch, position, asks = 0, 0, a_pass(rng, len(tune_stories), args.asks, 0, args.seed)
     started = time.time()
+    saved_at = None  # the step whose model the loop last measured and saved
     while True:
         progress = budget_used(distributed.seconds_since(started), args.minutes, step, args.steps)
         if progress >= 1.0:
@@ -352,7 +360,9 @@ def main():
             print(f"step {step}: loss {loss:.3f}, lr {lr:.2e}, {(time.time() - started) / 60:.1f} min", flush=True)
         if step % EVAL_EVERY == 0:
             evaluate_and_save()
-    evaluate_and_save()
+            saved_at = step
+    if saved_at != step:  # the last step's model, unless the loop has just measured and saved it
+        evaluate_and_save()
     writer.close()
     distributed.end()
     print(f"done: {step} steps, {(time.time() - started) / 60:.1f} minutes; the model is in {folder}/model.pt")

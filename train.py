@@ -266,6 +266,7 @@ def main():
     model.train()
     started = time.time() - elapsed
     interval_start, interval_tokens = time.time(), 0
+    saved_at = None  # the step whose model the loop last measured and saved
     while True:
         elapsed = distributed.seconds_since(started)
         progress = budget_used(elapsed, args.minutes, step, args.steps)
@@ -288,10 +289,12 @@ def main():
             interval_start, interval_tokens = time.time(), 0
         if step % EVAL_EVERY == 0:
             validate_and_save()
+            saved_at = step
             interval_start, interval_tokens = time.time(), 0
 
     elapsed = time.time() - started
-    validate_and_save()
+    if saved_at != step:  # the last step's model, unless the loop has just measured and saved it
+        validate_and_save()
     writer.close()
     distributed.end()
     print(f"done: {step} steps, {elapsed / 60:.1f} minutes; the model is in {folder}/model.pt")

@@ -1,10 +1,14 @@
 import math
+import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import finetune
+import launch
 import train
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt
@@ -77,3 +81,27 @@ def test_the_demo_story_is_the_model_s_own_generate_with_dropout_off_and_leaves_
     written = model.eval().generate(prompt, 40, stop=small_tokenizer.eot, generator=torch.Generator().manual_seed(3))
     assert story == small_tokenizer.decode(written[0, prompt.size(1):].tolist())
     assert story != train.demo_story(model, small_tokenizer, "Once upon a time", seed=4, max_new_tokens=40)
+
+
+CPU_FP32 = ["--device", "cpu", "--precision", "fp32"]
+
+
+@pytest.mark.parametrize("script", [train, finetune])
+def test_the_last_step_s_model_is_measured_and_saved_once(script, workspace, tmp_path, monkeypatch):
+    # Runs that measure and save every 5 steps: 10 steps save at 5 and 10 (not 10 twice), 7 at 5 and 7.
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    shutil.copytree(workspace / "checkpoints" / "finetune", tmp_path / "checkpoints" / "pretrain")
+    launch.patch(monkeypatch.setattr, {})
+    monkeypatch.setattr(script, "EVAL_EVERY", 5)
+    saved = []
+
+    def save_checkpoint(folder, model, tokenizer, made_by, *optimizer):
+        saved.append(made_by["step"])
+
+    monkeypatch.setattr(script, "save_checkpoint", save_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    for steps, expected in (("10", [5, 10]), ("7", [5, 7])):
+        saved.clear()
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--steps", steps, *CPU_FP32])
+        script.main()
+        assert saved == expected
