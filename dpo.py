@@ -68,9 +68,9 @@ def run_name(seed):
     return "dpo" + (f"-seed-{seed}" if seed != SEED else "")
 
 
-def words_rate(model, tokenizer, instructions, seed=0):
-    """A story for each held-out instruction; the share of the requested words they use."""
-    stories = heldout_stories(model, tokenizer, instructions, seed)
+def words_rate(model, tokenizer, instructions):
+    """A story for each held-out instruction (evaluate.py's seed); the share of the requested words they use."""
+    stories = heldout_stories(model, tokenizer, instructions)
     used = [words_used(tokenizer.decode(s), i["words"]) for s, i in zip(stories, instructions)]
     return sum(used) / len(used)
 

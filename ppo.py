@@ -86,8 +86,9 @@ BATCHES, PER_BATCH = 16, 8  # a rollout: 16 batches of 8 instructions of one len
 
 @torch.no_grad()
 def rollout(policy, tokenizer, asks, rng, seed):
-    """Writes 128 stories, each for an instruction of its own: the prompts, the stories'
-    tokens, and their rewards."""
+    """Writes 128 stories, 16 batches of 8 instructions of one length each: the prompts, the
+    stories' tokens, and their rewards. A batch's 8 instructions differ; two batches of one
+    length draw theirs apart, so an instruction can come back in a rollout."""
     device = next(policy.parameters()).device
     # Eight different instructions of one length stack into a batch with no padding.
     lengths = [length for length, group in asks.items() if len(group) >= PER_BATCH]

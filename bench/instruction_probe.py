@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoints import RUNS, load_checkpoint  # noqa: E402
 from evaluate import model_name, saved_name  # noqa: E402
 from files import atomic, read_instructions  # noqa: E402
-from finetune import HELD_BACK, SEED, TUNE_POOL, first_uses  # noqa: E402
+from finetune import TUNE_POOL, first_uses, split_held_back  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 
 
@@ -65,8 +65,7 @@ def main():
     tokenizer = load_tokenizer()
     examples = read_instructions(limit=TUNE_POOL)
     # The examples finetune.py held back, in its order.
-    order = np.random.default_rng(SEED).permutation(len(examples))
-    held_back = [examples[i] for i in order[-HELD_BACK:]][:args.examples]
+    held_back = split_held_back(examples)[1][:args.examples]
     for path in args.models:
         model = load_checkpoint(path, "cpu", tokenizer, quiet=True).eval()
         results = probe(model, tokenizer, held_back)

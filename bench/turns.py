@@ -47,7 +47,7 @@ from train import optimizer_step  # noqa: E402
 
 
 def log_softmax_by_gather(logits, targets):
-    """What kernels.log_softmax_at replaced: torch's log_softmax over a float32 copy of every logit."""
+    """kernels.log_softmax_at's plain counterpart: torch's log_softmax over a float32 copy of every logit."""
     return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

@@ -16,6 +16,8 @@ doesn't use it.
 import argparse
 import json
 import re
+import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -23,6 +25,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from files import atomic  # noqa: E402
 
 RUNS = Path("runs")
 IMAGES = Path(__file__).parent / "img"
@@ -78,6 +83,14 @@ def scalars(run, tag):
     return sorted(latest), [latest[step] for step in sorted(latest)]
 
 
+def save(figure, file):
+    """The figure as docs/img/FILE, written whole or not at all."""
+    with atomic(IMAGES / file) as tmp:
+        figure.savefig(tmp, format="png", dpi=110)
+    plt.close(figure)
+    print(f"wrote docs/img/{file}")
+
+
 def draw(file, title, xlabel, ylabel, lines):
     """One plot: a line for each (steps, values, label)."""
     figure, axes = plt.subplots(figsize=(7, 3.6))
@@ -87,14 +100,11 @@ def draw(file, title, xlabel, ylabel, lines):
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(IMAGES / file, dpi=110)
-    plt.close(figure)
-    print(f"wrote docs/img/{file}")
+    save(figure, file)
 
 
 # Episode 3, step 6: each fine-tuning recipe's models along the way (finetune.py --keep),
 # measured by evaluate.py --seeds 3 and bench/instruction_probe.py: {run's folder: label}.
-# (Step 3's figure, finetune-words.png, was drawn the same way from models no longer made.)
 RECIPES = {"finetune": "default recipe", "finetune-swap-1": "--swap 1 (asked nouns swapped)"}
 # Episode 3's step 7, the diagnostic: the first use of each asked word weighs 20 in the loss.
 FIRST_USE = {"finetune-swap-1-first-use-20": "--swap 1 --first-use-weight 20",
@@ -150,9 +160,7 @@ def finetune_curves(recipes, file):
         axes.grid(alpha=0.3)
     words.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(IMAGES / file, dpi=110)
-    plt.close(figure)
-    print(f"wrote docs/img/{file}")
+    save(figure, file)
 
 
 def measured(run):
@@ -198,9 +206,7 @@ def panels(file, title, panels_of, groups):
     axes[0].legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    figure.savefig(IMAGES / file, dpi=110)
-    plt.close(figure)
-    print(f"wrote docs/img/{file}")
+    save(figure, file)
 
 
 def seeds_mean(series):
@@ -241,14 +247,14 @@ def rl_table():
     print("| run | rollouts | reward, first 5 | reward, last 5 | KL per story, last 5 | tied groups |")
     print("| --- | --- | --- | --- | --- | --- |")
     for run, label in {**RL_RUNS, **STEP_11_RUNS}.items():
-        if not (RUNS / run).exists():
+        _, rewards = scalars(run, "rollout/reward") if (RUNS / run).exists() else ([], [])
+        if not rewards:
             continue
-        _, rewards = scalars(run, "rollout/reward")
         _, kl = scalars(run, "rollout/kl")
         _, ties = scalars(run, "rollout/frac_reward_zero_std")
         tied = f"{sum(ties) / len(ties):.0%}" if ties else "(no groups)"
-        print(f"| {label} | {len(rewards)} | {sum(rewards[:5]) / 5:.1%} | {sum(rewards[-5:]) / 5:.1%} | "
-              f"{sum(kl[-5:]) / 5:.1f} | {tied} |")
+        first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+        print(f"| {label} | {len(rewards)} | {first:.1%} | {last:.1%} | {statistics.fmean(kl[-5:]):.1f} | {tied} |")
 
 
 def main():
