@@ -329,7 +329,7 @@ def report(steps, record, seeds=1):
 def main():
     parser = argparse.ArgumentParser(description="The whole course, step by step, then a report in report/README.md.")
     parser.add_argument("--source", help="a local copy of TinyStories for data.py (default: download it)")
-    parser.add_argument("--quick", action="store_true", help="small budgets: 14 to 18 minutes on 2 CPU cores")
+    parser.add_argument("--quick", action="store_true", help="small budgets: about 13 minutes on 2 CPU cores")
     parser.add_argument("--device", help="cpu, cuda or mps, for every script (default: the fastest there is)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="training seeds of DPO, PPO and GRPO, for the spread of each (default 1)")
