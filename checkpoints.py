@@ -37,6 +37,18 @@ def run_settings(args, constants, **more):
     return {**recorded, **options, **more}
 
 
+def logged(run, tag):
+    """A run's TensorBoard points of one tag, {step: value}: of each step, the point written
+    last, as a run folder keeps the points of every run written to it (a run that went on
+    from a checkpoint writes its steps again)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    points = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+    return {point.step: point.value for point in sorted(points, key=lambda point: point.wall_time)}
+
+
 def checkpoint_file(path):
     """A folder means the final model in it, model.pt; a file is itself."""
     path = Path(path)

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from checkpoints import CHECKPOINTS, RUNS
+from checkpoints import CHECKPOINTS, RUNS, logged
 from data import SEED
 from devices import machine
 from dpo import run_name as dpo_run_name
@@ -257,12 +255,8 @@ def kl_at_the_end(folder, last=LAST_ROLLOUTS):
     run = RUNS / folder.relative_to(CHECKPOINTS)
     if folder.parent.name not in ("ppo", "grpo") or not run.exists():
         return None
-    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    events.Reload()
-    points = events.Scalars("rollout/kl") if "rollout/kl" in events.Tags()["scalars"] else []
-    # A run folder keeps the points of every run written to it: each rollout's latest, up to the
-    # final model's last rollout, are this run's.
-    latest = {point.step: point.value for point in sorted(points, key=lambda point: point.wall_time)}
+    # Each rollout's latest point, up to the final model's last rollout, are this run's.
+    latest = logged(run, "rollout/kl")
     final = (measured(folder) or {}).get("made_by", {}).get("rollout", max(latest, default=0))
     kl = [latest[rollout] for rollout in sorted(latest) if rollout <= final][-last:]
     return sum(kl) / len(kl) if kl else None

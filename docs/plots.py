@@ -24,9 +24,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoints import logged  # noqa: E402
 from files import atomic  # noqa: E402
 
 RUNS = Path("runs")
@@ -74,12 +74,8 @@ COMPARISONS = [
 
 
 def scalars(run, tag):
-    """A run's points of a tag: the latest of each step, as a run folder keeps the points of
-    every run written to it."""
-    events = EventAccumulator(str(RUNS / run), size_guidance={"scalars": 0})
-    events.Reload()
-    points = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
-    latest = {p.step: p.value for p in sorted(points, key=lambda p: p.wall_time)}
+    """A run's points of a tag, (steps, values), the latest of each step."""
+    latest = logged(RUNS / run, tag)
     return sorted(latest), [latest[step] for step in sorted(latest)]
 
 
