@@ -9,6 +9,7 @@ from pathlib import Path
 from textwrap import shorten
 
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from files import atomic
 from model import GPT, Config
@@ -41,8 +42,6 @@ def logged(run, tag):
     """A run's TensorBoard points of one tag, {step: value}: of each step, the point written
     last, as a run folder keeps the points of every run written to it (a run that went on
     from a checkpoint writes its steps again)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = EventAccumulator(str(run), size_guidance={"scalars": 0})
     events.Reload()
     points = events.Scalars(tag) if tag in events.Tags()["scalars"] else []

@@ -110,10 +110,14 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
 
     by_hand = {f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": block_attention,
                **(more or {})}
+
+    def over_blocks(attend):
+        """A way by hand, as a function of the layer whose cache it reads."""
+        return lambda layer: attend(query, *in_blocks[layer], visible)
+
     ways = {"torch's fused kernel, over the positions so far": lambda layer: F.scaled_dot_product_attention(
         query, *in_order[layer])}
-    ways.update({way: lambda layer, attend=attend: attend(query, *in_blocks[layer], visible)
-                 for way, attend in by_hand.items()})
+    ways.update({way: over_blocks(attend) for way, attend in by_hand.items()})
     seconds = {way: [] for way in ways}
     for _ in range(rounds):
         for way, attend in ways.items():

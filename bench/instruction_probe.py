@@ -65,7 +65,8 @@ def main():
     tokenizer = load_tokenizer()
     examples = read_instructions(limit=TUNE_POOL)
     # The examples finetune.py held back, in its order.
-    held_back = split_held_back(examples)[1][:args.examples]
+    _, held_back = split_held_back(examples)
+    held_back = held_back[:args.examples]
     for path in args.models:
         model = load_checkpoint(path, "cpu", tokenizer, quiet=True).eval()
         results = probe(model, tokenizer, held_back)

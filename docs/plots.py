@@ -243,10 +243,12 @@ def rl_table():
     print("| run | rollouts | reward, first 5 | reward, last 5 | KL per story, last 5 | tied groups |")
     print("| --- | --- | --- | --- | --- | --- |")
     for run, label in {**RL_RUNS, **STEP_11_RUNS}.items():
-        _, rewards = scalars(run, "rollout/reward") if (RUNS / run).exists() else ([], [])
-        if not rewards:
+        if not (RUNS / run).exists():
             continue
+        _, rewards = scalars(run, "rollout/reward")
         _, kl = scalars(run, "rollout/kl")
+        if not rewards:  # a run folder made, no rollout logged yet
+            continue
         _, ties = scalars(run, "rollout/frac_reward_zero_std")
         tied = f"{sum(ties) / len(ties):.0%}" if ties else "(no groups)"
         first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
