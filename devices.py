@@ -3,6 +3,7 @@ The machine a script runs on: the device it picks (the GPU when there is one), t
 of its matrix products, and a line that describes the machine, for the figures measured on it.
 Plumbing that every script imports; a learner may skip it.
 """
+import math
 import os
 import platform
 import time
@@ -47,8 +48,8 @@ def autocast(device, precision):
 
 def default_precision(device):
     """bf16 on CUDA GPUs that have it and on CPUs that multiply bf16 matrices clearly faster
-    than fp32 (this one: 2.1 to 2.5 times; many laptops' CPUs: slower); fp32 elsewhere, Apple's
-    MPS included. --precision overrides it."""
+    than fp32 (the series' AMD EPYC: about 2.1 times; many laptops' CPUs: slower); fp32
+    elsewhere, Apple's MPS included. --precision overrides it."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cpu":
@@ -56,17 +57,21 @@ def default_precision(device):
     return "fp32"
 
 
-def bf16_speedup_on_cpu(size=512, repeats=8):
-    """How many times faster this CPU multiplies bf16 matrices than fp32 ones."""
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(size, size, dtype=dtype)
+def bf16_speedup_on_cpu(size=512, repeats=4, rounds=5):
+    """How many times faster this CPU multiplies bf16 matrices than fp32 ones: each
+    precision's fastest of `rounds`, the two taking turns, so that a moment when the machine
+    is busy elsewhere (a few milliseconds are enough) cannot pick a whole run's precision."""
+    matrices = {dtype: torch.randn(size, size, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    fastest = dict.fromkeys(matrices, math.inf)
+    for a in matrices.values():
         a @ a  # warm up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ a
-        seconds[dtype] = time.perf_counter() - start
-    return seconds[torch.float32] / seconds[torch.bfloat16]
+    for _ in range(rounds):
+        for dtype, a in matrices.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ a
+            fastest[dtype] = min(fastest[dtype], time.perf_counter() - start)
+    return fastest[torch.float32] / fastest[torch.bfloat16]
 
 
 def machine():
