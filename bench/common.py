@@ -1,7 +1,7 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
-memory is its own, timing a piece of work (a GPU's, not only its queueing), the peak
-memory, and the instructions a GRPO rollout draws from; devices.machine() describes the
-machine the figures came from."""
+memory is its own, timing a piece of work (a GPU's, not only its queueing), the memory's
+speed, the peak memory, and the instructions a GRPO rollout draws from; devices.machine()
+describes the machine the figures came from."""
 import json
 import resource
 import subprocess
@@ -28,6 +28,12 @@ def timed(device, work):
     result = work()
     synchronize(device)
     return result, time.perf_counter() - started
+
+
+def read_bandwidth(device):
+    """Bytes a second the device's memory gives: a sum over 256 MB, the best of 5."""
+    big = torch.ones(64 * 2**20, device=device)
+    return big.numel() * big.element_size() / min(timed(device, big.sum)[1] for _ in range(5))
 
 
 def peak_memory_mb(device):

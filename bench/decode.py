@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import timed  # noqa: E402
+from bench.common import read_bandwidth, timed  # noqa: E402
 from bench.train import DTYPES, matmul_peak  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from kernels import CACHE_BLOCK, block_attention, log_softmax_at  # noqa: E402
@@ -70,12 +70,6 @@ def writing_steps(model, device, positions, steps):
         one_step()
     seconds = [timed(device, one_step)[1] for _ in range(steps)]
     return seconds, one_step, cache
-
-
-def read_bandwidth(device):
-    """Bytes a second the device's memory gives: a sum over 256 MB, the best of 5."""
-    big = torch.ones(64 * 2**20, device=device)
-    return big.numel() * big.element_size() / min(timed(device, big.sum)[1] for _ in range(5))
 
 
 def narrowing(cache, device):

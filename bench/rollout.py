@@ -4,8 +4,10 @@ instructions, each written for 8 times (128 stories of up to 200 tokens, tempera
 scored, their old and reference log-probabilities, and the update (2 passes in minibatches
 of 16): the seconds of each part, the median of --repeats rollouts, each with new
 instructions, and each part's share of the machine's matrix-product peak, measured in the
-same run. As in grpo.py, everything runs in one precision, bf16 where the device multiplies
-faster (devices.default_precision), --precision to choose.
+same run; and the writing's own floor, its products at the peak and the keys and values its
+steps read at the memory's speed (a sum over 256 MB measures it). As in grpo.py,
+everything runs in one precision, bf16 where the device multiplies faster
+(devices.default_precision), --precision to choose.
 
 In the same run: the episode's literal writing, one call of 8 stories for each of the 16
 instructions, beside grpo.py's one batched pass over all 128, the same instructions and the
@@ -40,7 +42,7 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import grpo_asks, peak_memory_mb, timed  # noqa: E402
+from bench.common import grpo_asks, peak_memory_mb, read_bandwidth, timed  # noqa: E402
 from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
@@ -57,6 +59,15 @@ def write_group_by_group(policy, tokenizer, prompts, seed):
     generator = torch.Generator(device=prompts[0].device).manual_seed(seed)
     for prompt in prompts:
         generate(policy, prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
+
+
+def cache_bytes(prompts, stories, config, element_size):
+    """The bytes of keys and values the writing's steps read at the least: a step that writes
+    a story's next token reads, in every layer, the keys and values of its row's positions so
+    far (the prompt, the story before it, and the token it takes in). A story's first token
+    comes from its prompt's pass, which reads no cache."""
+    per_position = 2 * config.n_layer * config.n_embd * element_size
+    return per_position * sum(len(prompt) + k for prompt, story in zip(prompts, stories) for k in range(1, len(story)))
 
 
 def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions):
@@ -98,7 +109,8 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     written = int(mask.sum())
     return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
             "by_group": by_group, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
-            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x)}
+            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
+            "cache_bytes": cache_bytes(prompts, stories, policy.config, DTYPES[precision].itemsize)}
 
 
 def precision_drift(policy, tokenizer, asks, device):
@@ -178,6 +190,13 @@ def main():
     print(f"| whole rollout | {total:.1f} | 100% | {sum(work.values()) / total / peak:.0%} |")
     floor = sum(work.values()) / peak
     print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took {total / floor:.1f} times it")
+    # The writing multiplies little for what it reads: each step reads every cached key and
+    # value of its rows, so its floor is its products at the peak and that cache at the memory's speed.
+    bandwidth = read_bandwidth(device)
+    products, reading = work["writing"] / peak, median["cache_bytes"] / bandwidth
+    print(f"the writing's floor, its products at the peak ({products:.1f} s) and its cache read once at the "
+          f"memory's {bandwidth / 1e9:.1f} GB/s ({median['cache_bytes'] / 1e9:.1f} GB, {reading:.1f} s): "
+          f"{products + reading:.1f} s; it took {median['writing'] / (products + reading):.1f} times it")
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")
