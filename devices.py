@@ -59,8 +59,9 @@ def default_precision(device):
 
 def bf16_speedup_on_cpu(size=512, repeats=4, rounds=5):
     """How many times faster this CPU multiplies bf16 matrices than fp32 ones: each
-    precision's fastest of `rounds`, the two taking turns, so that a moment when the machine
-    is busy elsewhere (a few milliseconds are enough) cannot pick a whole run's precision."""
+    precision's fastest of `rounds` rounds of `repeats` products, the two taking turns, so
+    that a moment when the machine is busy elsewhere (a few milliseconds are enough to
+    outweigh a round) is unlikely to pick a whole run's precision."""
     matrices = {dtype: torch.randn(size, size, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
     fastest = dict.fromkeys(matrices, math.inf)
     for a in matrices.values():

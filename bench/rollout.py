@@ -61,11 +61,12 @@ def write_group_by_group(policy, tokenizer, prompts, seed):
         generate(policy, prompt, MAX_NEW_TOKENS, temperature=1.0, stop=tokenizer.eot, generator=generator)
 
 
-def cache_bytes(prompts, stories, config, element_size):
-    """The bytes of keys and values the writing's steps read at the least: a step that writes
-    a story's next token reads, in every layer, the keys and values of its row's positions so
-    far (the prompt, the story before it, and the token it takes in). A story's first token
-    comes from its prompt's pass, which reads no cache."""
+def cache_bytes_read(prompts, stories, config, element_size):
+    """The fewest bytes of keys and values the writing's steps can read: the step that takes
+    in a story's token reads, in every layer, the keys and values of its row's prompt and of
+    its story so far, that token included. A story's first token comes from its prompt's
+    pass, which reads no cache. The writing reads more than this: whole blocks of positions,
+    each up to the batch's longest row, and rows whose story has ended until they leave."""
     per_position = 2 * config.n_layer * config.n_embd * element_size
     return per_position * sum(len(prompt) + k for prompt, story in zip(prompts, stories) for k in range(1, len(story)))
 
@@ -110,7 +111,7 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
             "by_group": by_group, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
             "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
-            "cache_bytes": cache_bytes(prompts, stories, policy.config, DTYPES[precision].itemsize)}
+            "cache_bytes_read": cache_bytes_read(prompts, stories, policy.config, DTYPES[precision].itemsize)}
 
 
 def precision_drift(policy, tokenizer, asks, device):
@@ -174,6 +175,7 @@ def main():
     runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    memory = peak_memory_mb(device)  # the rollouts', before the peak's and the memory's own measurements
     total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
     peak = matmul_peak(device, DTYPES[precision])
     # A forward pass is a third of a training step's work (forward, and backward twice as much).
@@ -191,18 +193,20 @@ def main():
     floor = sum(work.values()) / peak
     print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took {total / floor:.1f} times it")
     # The writing multiplies little for what it reads: each step reads every cached key and
-    # value of its rows, so its floor is its products at the peak and that cache at the memory's speed.
+    # value of its rows. So its floor is its products at the peak and those reads at the
+    # memory's speed, one after the other, as each is an operator of its own.
     bandwidth = read_bandwidth(device)
-    products, reading = work["writing"] / peak, median["cache_bytes"] / bandwidth
-    print(f"the writing's floor, its products at the peak ({products:.1f} s) and its cache read once at the "
-          f"memory's {bandwidth / 1e9:.1f} GB/s ({median['cache_bytes'] / 1e9:.1f} GB, {reading:.1f} s): "
-          f"{products + reading:.1f} s; it took {median['writing'] / (products + reading):.1f} times it")
+    products, reading = work["writing"] / peak, median["cache_bytes_read"] / bandwidth
+    print(f"the writing's floor, its products at the peak ({products:.1f} s) and the keys and values its steps "
+          f"read ({median['cache_bytes_read'] / 1e9:.1f} GB) at the memory's {bandwidth / 1e9:.1f} GB/s "
+          f"({reading:.1f} s): {products + reading:.1f} s; it took {median['writing'] / (products + reading):.1f} "
+          "times it")
     print(f"\nwriting: {median['story_tokens'] / median['writing']:,.0f} generated tokens per second in one batch, "
           f"{median['story_tokens'] / median['by_group']:,.0f} group by group (16 calls of 8): "
           f"{median['by_group'] / median['writing']:.1f} times faster")
     print(f"update: {EPOCHS * median['positions'] / median['update']:,.0f} trained positions per second "
           f"({EPOCHS * median['story_tokens'] / median['update']:,.0f} story tokens)")
-    print(f"peak memory: {peak_memory_mb(device):,.0f} MB")
+    print(f"peak memory: {memory:,.0f} MB")
     if args.profile:
         profile_writing(policy, tokenizer, asks, device, precision)
     if not both_precisions:
