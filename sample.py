@@ -290,9 +290,12 @@ def next_token(logits, temperature, top_k, generator):
     block = torch.searchsorted(by_block, draw, right=True).clamp(max=by_block.size(1) - 1)
     before = F.pad(by_block, (1, 0)).gather(1, block)  # the sum of the blocks before it
     within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1)
-    place = torch.searchsorted(within, draw - before, right=True).clamp(max=BLOCK - 1)
-    # Rounding can leave a draw a hair past its block's sum: it then takes the block's last token.
-    return (block * BLOCK + place).squeeze(1).clamp(max=vocab - 1)
+    place = torch.searchsorted(within, draw - before, right=True)
+    # The block's sum and its running sum add in other orders, so a draw can land a hair past
+    # the running sum: it then takes the block's last token that can be drawn (probability
+    # above 0), not one that top-k, or the padding of the last block, ruled out.
+    last_drawable = (within < within[:, -1:]).sum(dim=-1, keepdim=True)
+    return (block * BLOCK + torch.minimum(place, last_drawable)).squeeze(1)
 
 
 def main():

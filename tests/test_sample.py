@@ -122,6 +122,24 @@ def test_sampling_follows_the_model_distribution():
     assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
 
 
+
+def test_a_draw_past_its_blocks_running_sum_takes_a_token_that_can_be_drawn(monkeypatch):
+    # One likely token and eleven of probability 2^-53 each, the rest of the block outside the
+    # top 12. The block's running sum adds the small ones to 1 one at a time, and each rounds
+    # away; its sum adds them to each other first, and comes out a hair above 1. The largest
+    # uniform number torch draws, 1 - 2^-53, lands in that hair, past the running sum.
+    logits = torch.full((1, sample.BLOCK), -1e9)
+    logits[0, 0], logits[0, 1:12] = 0.0, -53 * torch.log(torch.tensor(2.0))
+    probs = torch.softmax(logits, -1).double()
+    if probs.sum() == probs.cumsum(-1)[0, -1]:
+        pytest.skip("this machine's sum adds in the running sum's order: no draw falls past it")
+    largest = 1 - 2.0**-53
+    monkeypatch.setattr(torch, "rand", lambda *size, generator=None, device=None, dtype=None:
+                        torch.full(size, largest, dtype=dtype, device=device))
+    token = int(sample.next_token(logits, 1.0, 12, None))
+    assert probs[0, token] > 0
+
+
 # next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
 # vocabulary of several blocks, whole (as the series' 5,376 tokens are) or with a padded last one,
 # its probability spread over all of them.
