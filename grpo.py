@@ -143,7 +143,7 @@ def main():
     check_writable(folder, RUNS / "grpo" / name)  # now, not when the first checkpoint is saved
     rollout_count, seconds = 0, 0.0
     if args.resume:
-        made_by = resume(folder, policy, optimizer, rng)["made_by"]
+        made_by = resume(folder, policy, optimizer, rng, tokenizer)["made_by"]
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)
@@ -175,10 +175,11 @@ def main():
             old = distributed.gather(token_logprobs(policy, x[my_stories], y[my_stories]))
             ref = distributed.gather(token_logprobs(reference, x[my_stories], y[my_stories]))
 
-        # The update is PPO's: two passes over the rollout, in shuffled minibatches of 16 stories.
+        # The update is PPO's: two passes over the rollout, in shuffled minibatches of 16 stories
+        # (shuffled on the CPU, whose random state a checkpoint keeps for --resume on any device).
         stats = []
         for epoch in range(EPOCHS):
-            for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+            for rows in torch.randperm(len(x)).to(device).split(MINIBATCH):
                 # Under torchrun, every process draws the same minibatches, and takes its share of each.
                 mine = rows[distributed.my_rows(len(rows))]  # all of them in one process
                 with autocast(device, precision):

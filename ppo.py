@@ -189,7 +189,7 @@ def main():
     check_writable(folder, RUNS / "ppo" / name)  # now, not when the first checkpoint is saved
     rollout_count, seconds = 0, 0.0
     if args.resume:
-        checkpoint = resume(folder, policy, optimizer, rng)
+        checkpoint = resume(folder, policy, optimizer, rng, tokenizer)
         critic.load_state_dict(checkpoint["critic"])
         rollout_count, seconds = checkpoint["made_by"]["rollout"], checkpoint["made_by"]["seconds"]
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
@@ -227,10 +227,11 @@ def main():
         # whitened, so the objective weighs against the KL penalty on one scale, whatever the rewards'.
         advantages = whiten((R[:, None] - values) * mask, mask)
 
-        # The update: two passes over the rollout, each in shuffled minibatches of 16 stories.
+        # The update: two passes over the rollout, each in shuffled minibatches of 16 stories,
+        # shuffled on the CPU, whose random state a checkpoint keeps for --resume on any device.
         stats = []
         for epoch in range(EPOCHS):
-            for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+            for rows in torch.randperm(len(x)).to(device).split(MINIBATCH):
                 # Under torchrun, every process draws the same minibatches, and takes its share of each.
                 mine = rows[distributed.my_rows(len(rows))]  # all of them in one process
                 with autocast(device, precision):

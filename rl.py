@@ -16,7 +16,7 @@ import time
 import torch
 
 import distributed
-from checkpoints import read_checkpoint, save_checkpoint
+from checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
 from data import SEED
 
 EVAL_EVERY = 10  # rollouts
@@ -96,15 +96,21 @@ def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, se
                     numpy_random=rng.bit_generator.state, torch_random=torch.get_rng_state(), **state)
 
 
-def resume(folder, policy, optimizer, rng):
+def resume(folder, policy, optimizer, rng, tokenizer):
     """Loads the run's last rollout checkpoint into policy, optimizer and random state;
     returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
     torchrun every process loads the same one, and goes on drawing what the others draw."""
     saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
+    # The weights as load_checkpoint gives them: refused in one line if another tokenizer made
+    # them or they don't fit their config; and they must fit the model the run starts from.
+    resumed = load_checkpoint(saved[-1], tokenizer=tokenizer, quiet=True)
+    if resumed.config != policy.config:
+        raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; "
+                         "start the run without --resume")
+    policy.load_state_dict(resumed.state_dict())
     checkpoint = read_checkpoint(saved[-1])
-    policy.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])
