@@ -19,12 +19,14 @@ It imports none of the series' scripts, so that every one of them can import it.
 """
 import errno
 import hashlib
+import http.client
 import itertools
 import json
 import os
 import time
 import urllib.error
 import urllib.request
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -139,16 +141,23 @@ def receive(url, part, have, limit):
         total = min(total, limit) if limit else total
         start, started = have, time.time()
         with open(part, "ab" if have else "wb") as file:
-            while limit is None or have < limit:
-                block = response.read(1 << 20)
-                if not block:
-                    break
-                file.write(block)
-                have += len(block)
-                speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
-                print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
-                      end="", flush=True)
+            try:
+                while limit is None or have < limit:
+                    block = response.read(1 << 20)
+                    if not block:
+                        break
+                    file.write(block)
+                    have += len(block)
+                    speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
+                    print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
+                          end="", flush=True)
+            except (OSError, http.client.HTTPException) as error:
+                raise SystemExit(f"\ndownload of {url} stopped at {have:,} bytes ({error}); run again to resume")
         print()
+    # A connection the server closes early ends the reading as the file's end would: the bytes
+    # so far stay in part, for the next run to resume from, and are not taken for the whole file.
+    if total and have < total:
+        raise SystemExit(f"download of {url} stopped at {have:,} of {total:,} bytes; run again to resume")
     return have
 
 
@@ -167,7 +176,7 @@ def read_lines(file, path):
     """The lines of a file; a damaged or cut-off .gz stops with one line."""
     try:
         yield from file
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:  # gzip's reader raises all three, by the damage
         raise SystemExit(f"{path} is damaged ({error}); download or copy it again")
 
 

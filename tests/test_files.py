@@ -1,5 +1,7 @@
 import errno
+import gzip
 import os
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,10 +41,11 @@ def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_
 # ---------------------------------------------------------------- download, against a local server
 
 class Server:
-    """Serves one file over HTTP on 127.0.0.1, honouring Range requests, and records them."""
+    """Serves one file over HTTP on 127.0.0.1, honouring Range requests, and records them; with
+    cut_after set, it closes the connection after that many bytes of a response."""
 
     def __init__(self, content):
-        self.content, self.ranges = content, []
+        self.content, self.ranges, self.cut_after = content, [], None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -63,7 +66,7 @@ class Server:
                     self.send_response(200)
                 self.send_header("Content-Length", str(end - start + 1))
                 self.end_headers()
-                self.wfile.write(server.content[start:end + 1])
+                self.wfile.write(server.content[start:end + 1][:server.cut_after])
 
             def log_message(self, *args):
                 pass
@@ -112,6 +115,36 @@ def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
     assert (tmp_path / "train.txt").read_bytes() == server.content
 
 
+def test_a_download_the_server_cuts_short_waits_to_be_resumed(server, tmp_path):
+    path = tmp_path / "train.txt"
+    server.cut_after = 300_000
+    with pytest.raises(SystemExit, match=f"stopped at 300,000 of {len(server.content):,} bytes; run again"):
+        files.fetch(server.url, path)
+    assert not path.exists() and (tmp_path / "train.txt.part").stat().st_size == 300_000
+    server.cut_after = None
+    files.fetch(server.url, path)
+    assert server.ranges[-1] == "bytes=300000-"
+    assert path.read_bytes() == server.content
+
+
 def test_unreachable_server_says_what_to_do(tmp_path):
     with pytest.raises(SystemExit, match="--source"):
         files.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")
+
+
+def test_a_damaged_gz_file_stops_in_one_line_whatever_the_damage(tmp_path):
+    text = "".join(f"Story {i} about a kite, a river and a brave dog.\n{SEPARATOR}\n" for i in range(3000))
+    whole = gzip.compress(text.encode(), mtime=0)
+    rng = random.Random(0)
+    path = tmp_path / "train.txt.gz"
+    for _ in range(40):  # 8 bytes overwritten in the compressed stream, somewhere
+        damaged = bytearray(whole)
+        at = rng.randrange(20, len(whole) - 20)
+        damaged[at:at + 8] = bytes(rng.randrange(256) for _ in range(8))
+        path.write_bytes(damaged)
+        try:
+            with gzip.open(path, "rt") as file:
+                for _ in files.read_lines(file, path):
+                    pass
+        except SystemExit as refused:
+            assert "is damaged" in str(refused)
