@@ -183,11 +183,12 @@ def save_record(record):
 
 def left_off(step, record):
     """The minutes an interrupted run of the step had spent up to its last checkpoint, if it
-    can go on from it (--resume), else None. Only a checkpoint saved since the course first
-    started the step counts: an older one belongs to another run. A sitting that saved none
-    adds no minutes: the next goes on from the checkpoint before it."""
+    can go on from it (--resume), else None. Only a run of the same command goes on (one
+    begun by --quick would keep its small budget), and only a checkpoint saved since the
+    course first started the step counts: an older one belongs to another run. A sitting that
+    saved none adds no minutes: the next goes on from the checkpoint before it."""
     made = record.get(step.name)
-    if not step.resumes_from or not made or made["minutes"] is not None:
+    if not step.resumes_from or not made or made["minutes"] is not None or made["command"] != shown(step.command):
         return None
     saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
     if not saved or max(saved) < made.get("first_started", made["started"]):

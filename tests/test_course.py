@@ -226,6 +226,19 @@ def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_co
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
+def test_a_step_interrupted_under_another_command_starts_over(learner, monkeypatch):
+    # Pretraining interrupted in a --quick course, with a checkpoint of its sitting: the full
+    # course trains its own, and does not go on with the quick run's 3 minutes.
+    Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    a_sitting_ten_minutes_before_the_last_checkpoint(learner, "pretraining")
+    scripts = Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--device", "cpu")
+    assert scripts.commands[-1] == ["train.py", "--steps", "2322", "--minutes", "360", "--device", "cpu"]
+
+
 def test_a_sitting_that_saved_nothing_goes_on_from_the_checkpoint_before_it(learner, monkeypatch):
     # The first sitting saved a checkpoint 10 minutes in; the second went on from it and was
     # interrupted before it saved another.
