@@ -100,7 +100,9 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     """Loads the run's last rollout checkpoint into policy, optimizer and random state;
     returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
     torchrun every process loads the same one, and goes on drawing what the others draw."""
-    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    # The one saved last, not the highest rollout: an earlier run may have left higher ones
+    # in the folder, which a new run (without --resume) saves over only as far as it gets.
+    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: p.stat().st_mtime)
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
     # The weights as load_checkpoint gives them: refused in one line if another tokenizer made

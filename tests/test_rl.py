@@ -1,4 +1,6 @@
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -70,3 +72,17 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
                     rng, settings)
     with pytest.raises(SystemExit, match="another shape"):
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
+
+
+# A new run (without --resume) saves over an earlier run's rollout checkpoints only as far as
+# it gets: interrupted at rollout 2, it leaves the earlier run's rollout-32.pt beside its own.
+def test_resume_goes_on_from_the_checkpoint_saved_last_not_an_earlier_runs_higher_one(
+        workspace, workspace_tokenizer, tmp_path):
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    rng = np.random.default_rng(0)
+    for rollout in (32, 0, 2):  # the earlier run's last, then the new run's two
+        rl.save_rollout(tmp_path, rollout, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / "rollout-32.pt", (an_hour_ago, an_hour_ago))
+    assert rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
