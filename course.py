@@ -173,7 +173,11 @@ def run(command):
 
 
 def read_record():
-    return json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
+    try:
+        return json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
+    except ValueError as error:
+        raise SystemExit(f"{RECORD} is damaged ({error}); delete it, and python course.py keeps the steps "
+                         "already made, without their minutes")
 
 
 def save_record(record):

@@ -135,15 +135,16 @@ def read_stories(path):
             if SEPARATOR.encode() not in line:
                 lines.append(line)
                 continue
-            # A separator ends the story before it (usually on a line of its own).
-            before, _, after = line.partition(SEPARATOR.encode())
-            story = b"".join(lines) + before
+            # A separator ends the story before it (usually on a line of its own; a line may hold several).
+            *ends, after = line.split(SEPARATOR.encode())
+            for before in ends:
+                story, lines = b"".join(lines) + before, []
+                try:
+                    yield story.decode("utf-8")
+                except UnicodeDecodeError:
+                    bad += 1
+                    first_bad = first_bad or offset
             lines = [after] if after.strip() else []
-            try:
-                yield story.decode("utf-8")
-            except UnicodeDecodeError:
-                bad += 1
-                first_bad = first_bad or offset
     try:
         if lines:
             yield b"".join(lines).decode("utf-8")

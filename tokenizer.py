@@ -93,7 +93,8 @@ class Tokenizer:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             merges = data["merges"]
-            valid = all(len(pair) == 2 and all(0 <= t < 256 + i for t in pair) for i, pair in enumerate(merges))
+            valid = all(len(pair) == 2 and all(type(t) is int and 0 <= t < 256 + i for t in pair)
+                        for i, pair in enumerate(merges))
         except (ValueError, KeyError, TypeError) as error:
             raise SystemExit(f"{path} is not a tokenizer file ({error}); run python data.py again")
         if not valid or data.get("pattern") != PATTERN or data.get("vocab_size") != len(merges) + 257:

@@ -339,3 +339,11 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
     monkeypatch.setattr(sys, "argv", ["plots.py", "--course", "--seeds", "3"])
     plots.main()
     assert {p.name for p in (learner / "img").glob("course-*.png")} == {"course-dpo.png", "course-rl.png"}
+
+
+def test_a_damaged_record_stops_the_course_with_one_line(learner, monkeypatch):
+    (learner / "runs").mkdir()
+    (learner / course.RECORD).write_text('{"pretraining": {"command": "python train')  # cut off
+    Scripts(monkeypatch)
+    with pytest.raises(SystemExit, match="course.json is damaged .*; delete it"):
+        take_course(monkeypatch, "--quick")

@@ -101,6 +101,12 @@ def test_story_that_is_not_utf8_is_dropped_with_a_message(tmp_path, capsys):
     assert "dropped 1 stories that are not valid UTF-8" in capsys.readouterr().out
 
 
+def test_a_line_with_several_separators_ends_a_story_at_each(tmp_path):
+    (tmp_path / "train.txt").write_text(f"Story A.\n{SEPARATOR}\nStory B.{SEPARATOR}Story C.{SEPARATOR}\nStory D.\n")
+    stories = list(data.read_stories(tmp_path / "train.txt"))
+    assert [s.strip() for s in stories] == ["Story A.", "Story B.", "Story C.", "Story D."]
+
+
 def test_without_a_valid_file_one_story_in_twenty_becomes_valid(corpus, tmp_path):
     counts = data.write_stories(data.local_files(corpus / "stories-train.txt.gz"), tmp_path)
     assert counts["train"] + counts["tune"] + counts["valid"] == 400

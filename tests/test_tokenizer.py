@@ -71,10 +71,11 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
     path = tmp_path / "tokenizer.json"
     tokenizer.save(path)
     data = json.loads(path.read_text())
-    data["merges"][3] = [999, 1]  # a merge of a token that does not exist yet
-    path.write_text(json.dumps(data))
-    with pytest.raises(SystemExit, match="damaged"):
-        bpe.Tokenizer.load(path)
+    for damage in ([999, 1], [111.0, 110]):  # a merge of a token that does not exist yet; of a number that is no token
+        data["merges"][3] = damage
+        path.write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match="damaged"):
+            bpe.Tokenizer.load(path)
     path.write_text(path.read_text()[:100])
     with pytest.raises(SystemExit, match="not a tokenizer file"):
         bpe.Tokenizer.load(path)
