@@ -202,12 +202,18 @@ def a_sitting_ten_minutes_before_the_last_checkpoint(learner, name):
     (learner / course.RECORD).write_text(json.dumps(record))
 
 
-def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_count_every_sitting(
-        learner, monkeypatch, capsys):
+def quick_course_interrupted_in_pretraining(learner, monkeypatch):
+    """A --quick course stopped in pretraining, ten minutes after its sitting began, when it had
+    saved a checkpoint."""
     Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         take_course(monkeypatch, "--quick")
     a_sitting_ten_minutes_before_the_last_checkpoint(learner, "pretraining")
+
+
+def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_count_every_sitting(
+        learner, monkeypatch, capsys):
+    quick_course_interrupted_in_pretraining(learner, monkeypatch)
     # The next sitting: pretraining goes on, and the course runs until GRPO is interrupted in its turn.
     scripts = Scripts(monkeypatch, fail_at="grpo.py", failure=KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -229,10 +235,7 @@ def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_co
 def test_a_step_interrupted_under_another_command_starts_over(learner, monkeypatch):
     # Pretraining interrupted in a --quick course, with a checkpoint of its sitting: the full
     # course trains its own, and does not go on with the quick run's 3 minutes.
-    Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
-    with pytest.raises(KeyboardInterrupt):
-        take_course(monkeypatch, "--quick")
-    a_sitting_ten_minutes_before_the_last_checkpoint(learner, "pretraining")
+    quick_course_interrupted_in_pretraining(learner, monkeypatch)
     scripts = Scripts(monkeypatch, fail_at="train.py", failure=KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         take_course(monkeypatch, "--device", "cpu")
