@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -176,8 +177,8 @@ def read_record():
     try:
         return json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
     except ValueError as error:
-        raise SystemExit(f"{RECORD} is damaged ({error}); delete it, and python course.py keeps the steps "
-                         "already made, without their minutes")
+        raise SystemExit(f"{RECORD} is damaged ({error}); delete it, and python course.py takes each step whose "
+                         "output is there as done, an interrupted one too (delete that output to run it again)")
 
 
 def save_record(record):
@@ -185,14 +186,21 @@ def save_record(record):
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
+def without_device(command):
+    """A command as shown, without its --device: a checkpoint loads on any."""
+    return re.sub(r" --device \S+", "", command)
+
+
 def left_off(step, record):
     """The minutes an interrupted run of the step had spent up to its last checkpoint, if it
-    can go on from it (--resume), else None. Only a run of the same command goes on (one
-    begun by --quick would keep its small budget), and only a checkpoint saved since the
-    course first started the step counts: an older one belongs to another run. A sitting that
-    saved none adds no minutes: the next goes on from the checkpoint before it."""
+    can go on from it (--resume), else None. Only a run of the same command goes on, on any
+    device (one begun by --quick would keep its small budget), and only a checkpoint saved
+    since the course first started the step counts: an older one belongs to another run. A
+    sitting that saved none adds no minutes: the next goes on from the checkpoint before it."""
     made = record.get(step.name)
-    if not step.resumes_from or not made or made["minutes"] is not None or made["command"] != shown(step.command):
+    if not step.resumes_from or not made or made["minutes"] is not None:
+        return None
+    if without_device(made["command"]) != without_device(shown(step.command)):
         return None
     saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
     if not saved or max(saved) < made.get("first_started", made["started"]):

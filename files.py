@@ -141,18 +141,18 @@ def receive(url, part, have, limit):
         total = min(total, limit) if limit else total
         start, started = have, time.time()
         with open(part, "ab" if have else "wb") as file:
-            try:
-                while limit is None or have < limit:
+            while limit is None or have < limit:
+                try:
                     block = response.read(1 << 20)
-                    if not block:
-                        break
-                    file.write(block)
-                    have += len(block)
-                    speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
-                    print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
-                          end="", flush=True)
-            except (OSError, http.client.HTTPException) as error:
-                raise SystemExit(f"\ndownload of {url} stopped at {have:,} bytes ({error}); run again to resume")
+                except (OSError, http.client.HTTPException) as error:
+                    raise SystemExit(f"\ndownload of {url} stopped at {have:,} bytes ({error}); run again to resume")
+                if not block:
+                    break
+                file.write(block)
+                have += len(block)
+                speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
+                print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",
+                      end="", flush=True)
         print()
     # A connection the server closes early ends the reading as the file's end would: the bytes
     # so far stay in part, for the next run to resume from, and are not taken for the whole file.

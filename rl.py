@@ -2,7 +2,7 @@
 What PPO (episode 8) and GRPO (episode 16) do around their update, in one place, so that
 each script reads as its algorithm: the options and the run's folder, the figures logged
 under TRL's names, the checkpoint saved at each evaluation with what --resume needs, the
-resume itself, and the end of a run. A learner reading ppo.py or grpo.py can skip it.
+resume itself (or a new run's start), and the end of a run. A learner reading ppo.py or grpo.py can skip it.
 
 Both scripts import from here; neither imports the other's loop. grpo.py takes from ppo.py
 what the GRPO episode names (CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs()), and
@@ -100,9 +100,7 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     """Loads the run's last rollout checkpoint into policy, optimizer and random state;
     returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
     torchrun every process loads the same one, and goes on drawing what the others draw."""
-    # The one saved last, not the highest rollout: an earlier run may have left higher ones
-    # in the folder, which a new run (without --resume) saves over only as far as it gets.
-    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: p.stat().st_mtime)
+    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
     # The weights as load_checkpoint gives them: refused in one line if another tokenizer made
@@ -119,6 +117,18 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     made_by = checkpoint["made_by"]
     print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
     return checkpoint
+
+
+@distributed.on_rank_0
+def start_afresh(folder):
+    """A run that does not --resume starts its folder's rollout checkpoints over: an earlier
+    run's past rollout 0 are removed (a later --resume goes on from the highest), and its
+    rollout 0 is saved over the earlier one's, which stays whole until then."""
+    earlier = [checkpoint for checkpoint in folder.glob("rollout-*.pt") if checkpoint.stem != "rollout-0"]
+    for checkpoint in earlier:
+        checkpoint.unlink()
+    if earlier:
+        print(f"a new run in {folder}: an earlier run's rollout checkpoints removed ({len(earlier)})")
 
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):

@@ -291,9 +291,9 @@ def next_token(logits, temperature, top_k, generator):
     before = F.pad(by_block, (1, 0)).gather(1, block)  # the sum of the blocks before it
     within = probs[torch.arange(rows, device=logits.device), block.squeeze(1)].cumsum(dim=-1)
     place = torch.searchsorted(within, draw - before, right=True)
-    # The block's sum and its running sum add in other orders, so a draw can land a hair past
-    # the running sum: it then takes the block's last token that can be drawn (probability
-    # above 0), not one that top-k, or the padding of the last block, ruled out.
+    # The block's sum and its running sum add in other orders, so a draw at the very top of a
+    # block can land a hair past the running sum: it then takes the last token the running sum
+    # grew by, not one that top-k, or the padding of the last block, ruled out.
     last_drawable = (within < within[:, -1:]).sum(dim=-1, keepdim=True)
     return (block * BLOCK + torch.minimum(place, last_drawable)).squeeze(1)
 

@@ -232,7 +232,8 @@ def test_an_interrupted_pretraining_and_grpo_go_on_from_their_checkpoints_and_co
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
-def test_a_step_interrupted_under_another_command_starts_over(learner, monkeypatch):
+def test_a_step_interrupted_under_another_command_starts_over_and_on_another_device_goes_on(learner,
+                                                                                        monkeypatch):
     # Pretraining interrupted in a --quick course, with a checkpoint of its sitting: the full
     # course trains its own, and does not go on with the quick run's 3 minutes.
     quick_course_interrupted_in_pretraining(learner, monkeypatch)
@@ -240,6 +241,11 @@ def test_a_step_interrupted_under_another_command_starts_over(learner, monkeypat
     with pytest.raises(KeyboardInterrupt):
         take_course(monkeypatch, "--device", "cpu")
     assert scripts.commands[-1] == ["train.py", "--steps", "2322", "--minutes", "360", "--device", "cpu"]
+    # The same command on another device goes on from the checkpoint: it loads on any.
+    a_sitting_ten_minutes_before_the_last_checkpoint(learner, "pretraining")
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch)
+    assert scripts.commands[0] == ["train.py", "--steps", "2322", "--minutes", "360", "--resume"]
 
 
 def test_a_sitting_that_saved_nothing_goes_on_from_the_checkpoint_before_it(learner, monkeypatch):

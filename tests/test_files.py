@@ -118,7 +118,7 @@ def test_complete_partial_file_is_not_downloaded_again(server, tmp_path):
 def test_a_download_the_server_cuts_short_waits_to_be_resumed(server, tmp_path):
     path = tmp_path / "train.txt"
     server.cut_after = 300_000
-    with pytest.raises(SystemExit, match=f"stopped at 300,000 of {len(server.content):,} bytes; run again"):
+    with pytest.raises(SystemExit, match="stopped at 300,000 .*run again to resume"):
         files.fetch(server.url, path)
     assert not path.exists() and (tmp_path / "train.txt.part").stat().st_size == 300_000
     server.cut_after = None
@@ -142,9 +142,6 @@ def test_a_damaged_gz_file_stops_in_one_line_whatever_the_damage(tmp_path):
         at = rng.randrange(20, len(whole) - 20)
         damaged[at:at + 8] = bytes(rng.randrange(256) for _ in range(8))
         path.write_bytes(damaged)
-        try:
-            with gzip.open(path, "rt") as file:
-                for _ in files.read_lines(file, path):
-                    pass
-        except SystemExit as refused:
-            assert "is damaged" in str(refused)
+        with pytest.raises(SystemExit, match="is damaged"), gzip.open(path, "rb") as file:
+            for _ in files.read_lines(file, path):
+                pass

@@ -1,6 +1,4 @@
-import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -74,15 +72,17 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
 
 
-# A new run (without --resume) saves over an earlier run's rollout checkpoints only as far as
-# it gets: interrupted at rollout 2, it leaves the earlier run's rollout-32.pt beside its own.
-def test_resume_goes_on_from_the_checkpoint_saved_last_not_an_earlier_runs_higher_one(
-        workspace, workspace_tokenizer, tmp_path):
-    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
-    optimizer = torch.optim.AdamW(policy.parameters())
-    rng = np.random.default_rng(0)
-    for rollout in (32, 0, 2):  # the earlier run's last, then the new run's two
-        rl.save_rollout(tmp_path, rollout, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
-    an_hour_ago = time.time() - 3600
-    os.utime(tmp_path / "rollout-32.pt", (an_hour_ago, an_hour_ago))
-    assert rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
+# An earlier run's rollout checkpoints, left in the folder of a new run, would be what a later
+# --resume of the new run went on from (it takes the highest rollout).
+def test_a_new_run_removes_an_earlier_runs_rollout_checkpoints(workspace, run_main, quick, monkeypatch, capsys):
+    quick(grpo)
+    monkeypatch.setattr(rl, "EVAL_EVERY", 2)
+    monkeypatch.setattr(grpo, "EVAL_EVERY", 2)
+    folder = workspace / "checkpoints" / "grpo" / "kl-0.05-lr-0.003-seed-8"
+    folder.mkdir(parents=True, exist_ok=True)
+    for rollout in (0, 10, 32):
+        (folder / f"rollout-{rollout}.pt").write_bytes(b"an earlier run's")
+    run_main(grpo, "--rollouts", "2", "--seed", "8", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3")
+    assert sorted(p.name for p in folder.glob("rollout-*.pt")) == ["rollout-0.pt", "rollout-2.pt"]
+    assert (folder / "rollout-0.pt").read_bytes() != b"an earlier run's"
+    assert "an earlier run's rollout checkpoints removed (2)" in capsys.readouterr().out

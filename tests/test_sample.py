@@ -122,7 +122,6 @@ def test_sampling_follows_the_model_distribution():
     assert torch.allclose(shares, torch.softmax(logits[0] / 0.5, -1), atol=0.015)
 
 
-
 def test_a_draw_past_its_blocks_running_sum_takes_a_token_that_can_be_drawn(monkeypatch):
     # One likely token and eleven of probability 2^-53 each, the rest of the block outside the
     # top 12. The block's running sum adds the small ones to 1 one at a time, and each rounds
