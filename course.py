@@ -175,10 +175,13 @@ def run(command):
 
 def read_record():
     try:
-        return json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
+        record = json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
     except ValueError as error:
-        raise SystemExit(f"{RECORD} is damaged ({error}); delete it, and python course.py takes each step whose "
+        record = error
+    if not isinstance(record, dict):
+        raise SystemExit(f"{RECORD} is damaged ({record}); delete it, and python course.py takes each step whose "
                          "output is there as done, an interrupted one too (delete that output to run it again)")
+    return record
 
 
 def save_record(record):

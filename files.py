@@ -148,7 +148,12 @@ def receive(url, part, have, limit):
                     raise SystemExit(f"\ndownload of {url} stopped at {have:,} bytes ({error}); run again to resume")
                 if not block:
                     break
-                file.write(block)
+                try:
+                    file.write(block)
+                except OSError as error:
+                    if error.errno in UNWRITABLE:  # the bytes so far stay in part, to resume from
+                        raise SystemExit(unwritable(part.parent, error)) from None
+                    raise
                 have += len(block)
                 speed = (have - start) / max(time.time() - started, 1e-9) / 1e6
                 print(f"\r  {part.name[:-5]}: {have / 1e6:,.1f} of {total / 1e6:,.1f} MB, {speed:.1f} MB/s",

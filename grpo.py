@@ -56,7 +56,7 @@ from files import check_writable
 from ppo import CLIP, EPOCHS, LR, MINIBATCH, pack, token_logprobs
 from preferences import load_asks
 from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
-                run_name, save_rollout, start_afresh)
+                run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
 from train import CLIP as GRAD_CLIP  # noqa: F401  optimizer_step's clip, named for the run's settings
@@ -145,8 +145,6 @@ def main():
     if args.resume:
         made_by = resume(folder, policy, optimizer, rng, tokenizer)["made_by"]
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
-    else:
-        start_afresh(folder)
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)
     writer = SummaryWriter(RUNS / "grpo" / name) if distributed.is_main() else distributed.NoWriter()

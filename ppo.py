@@ -70,7 +70,7 @@ from files import check_writable
 from finetune import collate
 from preferences import load_asks
 from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
-                run_name, save_rollout, start_afresh)
+                run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end, generate
 from tokenizer import load_tokenizer
 from train import CLIP as GRAD_CLIP  # noqa: F401  optimizer_step's clip, named for the run's settings
@@ -192,8 +192,6 @@ def main():
         checkpoint = resume(folder, policy, optimizer, rng, tokenizer)
         critic.load_state_dict(checkpoint["critic"])
         rollout_count, seconds = checkpoint["made_by"]["rollout"], checkpoint["made_by"]["seconds"]
-    else:
-        start_afresh(folder)
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
     ddp_policy, ddp_critic = distributed.wrap(policy), distributed.wrap(critic)
     writer = SummaryWriter(RUNS / "ppo" / name) if distributed.is_main() else distributed.NoWriter()

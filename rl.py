@@ -2,7 +2,7 @@
 What PPO (episode 8) and GRPO (episode 16) do around their update, in one place, so that
 each script reads as its algorithm: the options and the run's folder, the figures logged
 under TRL's names, the checkpoint saved at each evaluation with what --resume needs, the
-resume itself (or a new run's start), and the end of a run. A learner reading ppo.py or grpo.py can skip it.
+resume itself, and the end of a run. A learner reading ppo.py or grpo.py can skip it.
 
 Both scripts import from here; neither imports the other's loop. grpo.py takes from ppo.py
 what the GRPO episode names (CLIP, EPOCHS, LR, MINIBATCH, pack() and token_logprobs()), and
@@ -94,6 +94,15 @@ def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, se
     made_by = {"script": settings["script"], "rollout": rollout, "seconds": seconds, "settings": settings}
     save_checkpoint(folder / f"rollout-{rollout}.pt", policy, tokenizer, made_by, optimizer,
                     numpy_random=rng.bit_generator.state, torch_random=torch.get_rng_state(), **state)
+    if rollout == 0:
+        # A new run's first checkpoint (a resumed run saves no rollout 0): an earlier run's later
+        # ones, left in the folder, would be what a --resume went on from. They go only now, so
+        # a new run stopped before it saved anything leaves the earlier run whole.
+        earlier = [checkpoint for checkpoint in folder.glob("rollout-*.pt") if checkpoint.stem != "rollout-0"]
+        for checkpoint in earlier:
+            checkpoint.unlink()
+        if earlier:
+            print(f"a new run in {folder}: the earlier run's later rollout checkpoints removed ({len(earlier)})")
 
 
 def resume(folder, policy, optimizer, rng, tokenizer):
@@ -117,18 +126,6 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     made_by = checkpoint["made_by"]
     print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
     return checkpoint
-
-
-@distributed.on_rank_0
-def start_afresh(folder):
-    """A run that does not --resume starts its folder's rollout checkpoints over: an earlier
-    run's past rollout 0 are removed (a later --resume goes on from the highest), and its
-    rollout 0 is saved over the earlier one's, which stays whole until then."""
-    earlier = [checkpoint for checkpoint in folder.glob("rollout-*.pt") if checkpoint.stem != "rollout-0"]
-    for checkpoint in earlier:
-        checkpoint.unlink()
-    if earlier:
-        print(f"a new run in {folder}: an earlier run's rollout checkpoints removed ({len(earlier)})")
 
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):

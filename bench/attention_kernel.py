@@ -123,7 +123,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     const int64_t* S = seen.data_ptr<int64_t>();
     at::BFloat16* O = out.data_ptr<at::BFloat16>();
     const int64_t apart = rows * heads * block * channels;
-        // Each row and head on its own: the threads share them out.
+    // Each row and head on its own: the threads share them out.
     at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; i++) {
             const int64_t first = i * block * channels, seen_here = S[i / heads];

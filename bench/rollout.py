@@ -100,7 +100,7 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
 
     def update():
         for _ in range(EPOCHS):
-            for rows in torch.randperm(len(x), device=device).split(MINIBATCH):
+            for rows in torch.randperm(len(x)).to(device).split(MINIBATCH):
                 with autocast(device, precision):
                     new = token_logprobs(policy, x[rows], y[rows])
                 loss, _ = grpo_loss(new, old[rows], ref[rows], advantages[rows], mask[rows], 0.05)

@@ -145,3 +145,12 @@ def quick(monkeypatch):
         monkeypatch.setattr(script, "MAX_NEW_TOKENS", 16)
         monkeypatch.setattr(evaluate, "MAX_NEW_TOKENS", 16)
     return make_quick
+
+
+def log_points(folder, tag, values):
+    """A run's TensorBoard log in folder: values under tag, at steps 1, 2, ..."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(folder) as writer:
+        for step, value in enumerate(values, start=1):
+            writer.add_scalar(tag, value, step)

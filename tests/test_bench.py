@@ -159,7 +159,7 @@ def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(chann
     rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
     q = torch.randn(rows, heads, 1, channels, generator=generator).bfloat16()
     keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).bfloat16() for _ in range(2))
-        # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN in
+    # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN in
     # both keys and values: the kernel must leave them out of its answer (block_attention gets
     # zeros there, as its products would carry a NaN).
     seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
@@ -173,7 +173,7 @@ def test_hand_written_kernel_gives_block_attention_s_answer_nearer_float64(chann
     by_hand = kernels.block_attention(q, keys.nan_to_num(), values.nan_to_num(), visible)
     ours = attention(q, keys, values, visible)
     assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
-        # Within bf16's rounding of block_attention's answer, and no further from the exact one than it.
+    # Within bf16's rounding of block_attention's answer, and no further from the exact one than it.
     assert torch.allclose(ours.double(), by_hand.double(), atol=2e-2)
     assert (ours.double() - exact).abs().mean() <= (by_hand.double() - exact).abs().mean()
     # With no mask, every position of every block.

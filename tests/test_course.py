@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import course
+from conftest import log_points
 
 
 def evaluated(model):
@@ -305,20 +306,12 @@ def test_the_real_runner_runs_a_script_of_the_series_with_this_python(monkeypatc
     assert ran == [([sys.executable, str(course.ROOT / "train.py"), "--minutes", "60"], True)]
 
 
-def logged(folder, tag, values):
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(folder) as writer:
-        for step, value in enumerate(values, start=1):
-            writer.add_scalar(tag, value, step)
-
-
 def test_the_kl_at_the_end_is_the_mean_over_the_run_s_last_five_rollouts(learner):
-    logged(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [1, 2, 3, 4, 5, 6, 7])
+    log_points(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [1, 2, 3, 4, 5, 6, 7])
     assert course.kl_at_the_end(course.CHECKPOINTS / "grpo" / "kl-0") == pytest.approx(5.0)
     # A shorter run afterwards into the same folder: its own three rollouts, not the first run's last.
     time.sleep(0.01)
-    logged(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [10, 20, 30])
+    log_points(learner / "runs" / "grpo" / "kl-0", "rollout/kl", [10, 20, 30])
     evaluation = course.evaluation(course.CHECKPOINTS / "grpo" / "kl-0")
     evaluation.parent.mkdir(parents=True, exist_ok=True)
     evaluation.write_text(json.dumps({"made_by": {"rollout": 3}}))
@@ -336,9 +329,9 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
     monkeypatch.setattr(plots, "IMAGES", learner / "img")
     for run in ("grpo/kl-0.05", "grpo/kl-0.05-seed-2", "grpo/kl-0", "grpo/kl-0-seed-3", "grpo/kl-0.05-lr-1e-05",
                 "ppo/kl-0.05"):
-        logged(learner / "runs" / run, "rollout/reward", [0.3, 0.4])
-    logged(learner / "runs" / "dpo-seed-2", "dpo/margin", [0.1, 0.2])
-    logged(learner / "runs" / "dpo", "dpo/margin", [0.1, 0.3])
+        log_points(learner / "runs" / run, "rollout/reward", [0.3, 0.4])
+    log_points(learner / "runs" / "dpo-seed-2", "dpo/margin", [0.1, 0.2])
+    log_points(learner / "runs" / "dpo", "dpo/margin", [0.1, 0.3])
     assert plots.with_its_seeds("grpo/kl-0", 3) == ["grpo/kl-0", "grpo/kl-0-seed-3"]
     assert plots.with_its_seeds("grpo/kl-0.05", 3) == ["grpo/kl-0.05", "grpo/kl-0.05-seed-2"]
     assert plots.with_its_seeds("grpo/kl-0.05", 1) == ["grpo/kl-0.05"]
@@ -352,7 +345,8 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
 
 def test_a_damaged_record_stops_the_course_with_one_line(learner, monkeypatch):
     (learner / "runs").mkdir()
-    (learner / course.RECORD).write_text('{"pretraining": {"command": "python train')  # cut off
     Scripts(monkeypatch)
-    with pytest.raises(SystemExit, match="course.json is damaged .*; delete it"):
-        take_course(monkeypatch, "--quick")
+    for damaged in ('{"pretraining": {"command": "python train', "[]"):  # cut off; not a record of steps
+        (learner / course.RECORD).write_text(damaged)
+        with pytest.raises(SystemExit, match="course.json is damaged .*; delete it"):
+            take_course(monkeypatch, "--quick")

@@ -9,14 +9,14 @@ matplotlib = pytest.importorskip("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
 
 import plots  # noqa: E402
-from test_course import logged  # noqa: E402
+from conftest import log_points  # noqa: E402
 
 
 def test_the_rl_table_s_means_are_over_the_rollouts_a_run_has(tmp_path, monkeypatch, capsys):
     # A run of 3 rollouts: its first and last five are those 3.
     run = tmp_path / "grpo" / "kl-0.05"
-    logged(run, "rollout/reward", [0.5, 0.5, 0.5])
-    logged(run, "rollout/kl", [3.0, 3.0, 3.0])
+    log_points(run, "rollout/reward", [0.5, 0.5, 0.5])
+    log_points(run, "rollout/kl", [3.0, 3.0, 3.0])
     (tmp_path / "grpo" / "kl-0").mkdir()  # a run folder with no rollout logged yet is left out
     monkeypatch.setattr(plots, "RUNS", tmp_path)
     plots.rl_table()

@@ -127,6 +127,25 @@ def test_a_download_the_server_cuts_short_waits_to_be_resumed(server, tmp_path):
     assert path.read_bytes() == server.content
 
 
+def test_a_full_disk_while_downloading_stops_in_one_line(server, tmp_path, monkeypatch):
+    class FullDisk:
+        def __init__(self, path, mode):
+            self.path = path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return False
+
+        def write(self, block):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(files, "open", FullDisk, raising=False)  # the download's .part, as it is written
+    with pytest.raises(SystemExit, match="no space left on the disk for .*; free some space"):
+        files.fetch(server.url, tmp_path / "train.txt")
+
+
 def test_unreachable_server_says_what_to_do(tmp_path):
     with pytest.raises(SystemExit, match="--source"):
         files.fetch("http://127.0.0.1:9/TinyStories-train.txt", tmp_path / "train.txt")

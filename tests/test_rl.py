@@ -74,15 +74,27 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
 
 # An earlier run's rollout checkpoints, left in the folder of a new run, would be what a later
 # --resume of the new run went on from (it takes the highest rollout).
-def test_a_new_run_removes_an_earlier_runs_rollout_checkpoints(workspace, run_main, quick, monkeypatch, capsys):
+def test_a_new_run_replaces_an_earlier_runs_checkpoints_once_it_has_saved_its_first(workspace, run_main, quick,
+                                                                                    monkeypatch, capsys):
     quick(grpo)
     monkeypatch.setattr(rl, "EVAL_EVERY", 2)
     monkeypatch.setattr(grpo, "EVAL_EVERY", 2)
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-lr-0.003-seed-8"
     folder.mkdir(parents=True, exist_ok=True)
-    for rollout in (0, 10, 32):
-        (folder / f"rollout-{rollout}.pt").write_bytes(b"an earlier run's")
-    run_main(grpo, "--rollouts", "2", "--seed", "8", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3")
+    earlier = {rollout: folder / f"rollout-{rollout}.pt" for rollout in (0, 10, 32)}
+    args = ["--rollouts", "2", "--seed", "8", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3"]
+    for checkpoint in earlier.values():
+        checkpoint.write_bytes(b"an earlier run's")
+    # Stopped in its first evaluation, before it saved anything: the earlier run is left whole.
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real_evaluate = grpo.evaluate
+    monkeypatch.setattr(grpo, "evaluate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_main(grpo, *args)
+    assert all(checkpoint.read_bytes() == b"an earlier run's" for checkpoint in earlier.values())
+    monkeypatch.setattr(grpo, "evaluate", real_evaluate)
+    run_main(grpo, *args)
     assert sorted(p.name for p in folder.glob("rollout-*.pt")) == ["rollout-0.pt", "rollout-2.pt"]
-    assert (folder / "rollout-0.pt").read_bytes() != b"an earlier run's"
-    assert "an earlier run's rollout checkpoints removed (2)" in capsys.readouterr().out
+    assert "the earlier run's later rollout checkpoints removed (2)" in capsys.readouterr().out
