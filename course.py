@@ -66,7 +66,7 @@ VIDEO = """| model | words used | loss on plain stories | stories that end withi
 | GRPO, KL 0.05 (32 rollouts) | 50% | 2.46 | 42% | about 14 |
 | GRPO, KL 0 (36 rollouts) | 58% | 2.56 | 8% | about 44 |"""
 # Enough for each script to take some steps and save its model: the whole path works, though
-# the models learn little. The loss on plain stories on 128 windows of them, not all 1,268.
+# the models learn little. The loss on plain stories on 128 windows of them, not evaluate.py's 512.
 QUICK = {"pretrain": ["--minutes", "3"], "finetune": ["--minutes", "1.5"], "dpo": ["--minutes", "1"],
          "ppo": ["--minutes", "1"], "grpo": ["--minutes", "1"], "grpo-kl-0": ["--minutes", "1"],
          "instructions": 64, "valid_windows": 128}
@@ -99,7 +99,7 @@ def course(budget, seeds=1, source=None, device=None):
     source = ["--source", source] if source else []
     device = ["--device", device] if device else []
     # Episode 5's table, one model at a time, so that a model measured once isn't measured again.
-    # The quick setting measures the loss on plain stories on a sample of windows, not all of them.
+    # The quick setting measures the loss on plain stories on fewer windows than evaluate.py's default.
     measure = ((["--seeds", str(budget["eval_seeds"])] if "eval_seeds" in budget else [])
                + (["--valid-windows", str(budget["valid_windows"])] if "valid_windows" in budget else []))
 

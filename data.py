@@ -169,8 +169,10 @@ def write_stories(files, out, heldout=HELDOUT):
     ordered = [f for f in files if f[0] == "train"] + [f for f in files if f[0] == "valid"]
     with atomic(out / "train.txt") as train_tmp, atomic(out / "tune.txt") as tune_tmp, \
             atomic(out / "valid.txt") as valid_tmp:
-        with open(train_tmp, "w", encoding="utf-8") as train, open(tune_tmp, "w", encoding="utf-8") as tune, \
-                open(valid_tmp, "w", encoding="utf-8") as valid:
+        # Lines end in "\n" on every system: read_stories reads the files back as bytes.
+        with open(train_tmp, "w", encoding="utf-8", newline="\n") as train, \
+                open(tune_tmp, "w", encoding="utf-8", newline="\n") as tune, \
+                open(valid_tmp, "w", encoding="utf-8", newline="\n") as valid:
             split_files = {"train": train, "tune": tune, "valid": valid}
             for split, path in ordered:
                 for story in read_stories(path):

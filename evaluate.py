@@ -35,6 +35,7 @@ runs/evaluate/, in a file named after the checkpoint's path (grpo-kl-0.05-rollou
 """
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -111,7 +112,10 @@ def measure(model, tokenizer, instructions, valid_tokens, device, seeds=1, windo
     seed's words used kept too), and its loss on plain stories (all of them, or `windows`
     windows spread over them). The stories kept are seed 0's."""
     by_seed = [measure_stories(model, tokenizer, instructions, SEED + seed) for seed in range(seeds)]
-    mean = {key: sum(m[key] for m in by_seed) / seeds for key in ("words_used", "ended", "uses_of_a_used_word")}
+    mean = {key: sum(m[key] for m in by_seed) / seeds for key in ("words_used", "ended")}
+    # How often a used word comes back: over the seeds whose stories used a word (a seed that used none has no figure).
+    with_uses = [m["uses_of_a_used_word"] for m in by_seed if m["uses_of_a_used_word"]]
+    mean["uses_of_a_used_word"] = sum(with_uses) / max(len(with_uses), 1)
     return {**mean, "words_used_by_seed": [m["words_used"] for m in by_seed],
             "valid_loss": valid_loss(model, valid_tokens, device, "fp32", windows=windows),
             "stories": by_seed[0]["stories"]}
@@ -126,7 +130,7 @@ def model_name(path):
     """A model is named after its folder. A checkpoint saved along the way keeps its own
     name; a final model in a folder whose name starts with kl- is named after the folder
     above it, a dash, and the folder."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # the folder's own name where the path is . or model.pt or ../
     if path.suffix == ".pt" and path.name != "model.pt":
         return path.stem
     folder = path.parent if path.suffix == ".pt" else path
@@ -138,11 +142,14 @@ def saved_name(path):
     """The file a model's results are saved in: its path under checkpoints/, joined by dashes
     (grpo-kl-0.05-rollout-10), so that two runs' rollout-10, or two folders named alike,
     never overwrite each other's."""
+    path = os.path.normpath(path)  # inside/../model.pt is model.pt
     file = Path(path) if Path(path).suffix == ".pt" else Path(path) / "model.pt"
     parts = [*file.parent.parts, *([] if file.name == "model.pt" else [file.stem])]
     if "checkpoints" in parts:
         parts = parts[len(parts) - parts[::-1].index("checkpoints"):]
-    return "-".join(part for part in parts if part.strip("/."))
+    name = "-".join(part for part in parts if part.strip("/."))
+    # A path with no folder of its own to name it (model.pt, ., ../model.pt): named from the root.
+    return name or saved_name(os.path.abspath(path))
 
 
 def spread(values, form="{:.0%}"):

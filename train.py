@@ -10,10 +10,13 @@ a sample story, and a checkpoint in checkpoints/pretrain/ at each validation.
 
 Departures from the usual recipe: the run is budgeted in minutes (--minutes) rather than
 steps, so the cosine decay follows the share of the minutes used; that way a learner on any
-machine gets a fully decayed model at the end of the time they chose. With --steps, the
-decay follows the steps instead, so that any machine makes the same model, a faster one
-sooner, and the minutes are only a cap. With --resume it goes on from its last checkpoint, on the
-schedule it started with (its --minutes and --steps, and the minutes already trained).
+machine gets a fully decayed model at the end of the time they chose (if it holds more steps
+than the warmup's). With --steps, the decay follows the steps instead, so that any machine
+makes the same model, a faster one sooner, and the minutes are only a cap. With --resume it
+goes on from its last checkpoint, on the schedule it started with (its --minutes and
+--steps, and the minutes already trained), drawing the windows, and in one process on a CPU
+the dropout masks, that it would have drawn had it not stopped: with --steps, a run stopped
+and resumed makes the model it would have made.
 
 Under torchrun (several GPUs, or several processes on the CPU; distributed.py, which a learner
 may skip) each process takes its own rows of each batch and DDP averages their gradients, so
@@ -112,6 +115,20 @@ def random_batch(tokens, rng, device, batch=BATCH, context=CONTEXT):
     starts = rng.integers(0, len(tokens) - context - 1, size=batch)
     windows = torch.from_numpy(np.stack([tokens[s:s + context + 1] for s in starts]).astype(np.int64))
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+
+def resume_draws(checkpoint, rng, step):
+    """A resumed run draws the windows the run would have drawn had it not stopped, and in one
+    process the same dropout masks too: the random states its checkpoint kept. (Under
+    torchrun each process keeps its own dropout seed; a GPU's masks come from the GPU's
+    generator, which the checkpoint does not keep.) A checkpoint without them draws new
+    windows, from the step."""
+    if "numpy_random" not in checkpoint:
+        rng.bit_generator.state = np.random.default_rng(SEED + step).bit_generator.state
+        return
+    rng.bit_generator.state = checkpoint["numpy_random"]
+    if distributed.world() == 1:
+        torch.set_rng_state(checkpoint["torch_random"])
 
 
 def demo_story(model, tokenizer, prompt, seed, max_new_tokens=120):
@@ -222,6 +239,7 @@ def main():
     # torchrun, each process its own seed for its dropout; DDP gives them all rank 0's weights.)
     torch.manual_seed(distributed.seed(SEED))
     step, elapsed = 0, 0.0
+    rng = np.random.default_rng(SEED)  # the windows' draws
     if args.resume:
         model = load_checkpoint(folder, device, tokenizer)
         optimizer = make_optimizer(model)
@@ -239,6 +257,7 @@ def main():
                   "the --minutes and --steps of this command are not used")
         args.minutes, args.steps = schedule
         print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
+        resume_draws(checkpoint, rng, step)
     else:
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
         optimizer = make_optimizer(model)
@@ -253,16 +272,17 @@ def main():
 
     @distributed.on_rank_0  # under torchrun, rank 0 alone validates and saves, the others waiting for it
     def validate_and_save():
+        seconds = time.time() - started  # the steps so far, the last one included, by rank 0's clock
         loss = valid_loss(model, valid_tokens, device, precision)
         story = demo_story(model, tokenizer, "Once upon a time", seed=step)
         writer.add_scalar("loss/valid", loss, step)
         writer.add_text("sample", story, step)
         writer.flush()
-        made_by = {"script": "train.py", "step": step, "seconds": elapsed, "valid_loss": loss, "settings": settings}
-        save_checkpoint(folder, model, tokenizer, made_by, optimizer)
+        made_by = {"script": "train.py", "step": step, "seconds": seconds, "valid_loss": loss, "settings": settings}
+        save_checkpoint(folder, model, tokenizer, made_by, optimizer,
+                        numpy_random=rng.bit_generator.state, torch_random=torch.get_rng_state())
         print(f"step {step}: valid loss {loss:.3f}\n  Once upon a time{story[:300]}")
 
-    rng = np.random.default_rng(SEED + step)  # a resumed run draws new windows
     model.train()
     started = time.time() - elapsed
     interval_start, interval_tokens = time.time(), 0

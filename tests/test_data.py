@@ -1,5 +1,7 @@
+import _pyio
 import gzip
 import json
+import os
 import re
 
 import numpy as np
@@ -106,6 +108,19 @@ def test_a_line_with_several_separators_ends_a_story_at_each(tmp_path):
     stories = list(data.read_stories(tmp_path / "train.txt"))
     assert [s.strip() for s in stories] == ["Story A.", "Story B.", "Story C.", "Story D."]
 
+
+def test_the_story_files_keep_their_line_breaks_where_text_files_end_lines_otherwise(tmp_path, monkeypatch):
+    # Python's own open (_pyio), ending lines as Windows does: a text file written without
+    # newline="\n" would hold \r\n, and read_stories, which reads bytes, stories with \r in them.
+    (tmp_path / "train.txt").write_text(f"A story.\nIts second line.\n{SEPARATOR}\nAnother story.\n{SEPARATOR}\n")
+    (tmp_path / "valid.txt").write_text(f"A valid story.\n{SEPARATOR}\n")
+    monkeypatch.setattr(os, "linesep", "\r\n")
+    monkeypatch.setattr(data, "open", _pyio.open, raising=False)
+    data.write_stories(data.local_files(tmp_path), tmp_path / "out")
+    written = [(tmp_path / "out" / name).read_bytes() for name in ("train.txt", "tune.txt", "valid.txt")]
+    assert b"Its second line" in b"".join(written) and b"\r" not in b"".join(written)
+    stories = [story for name in ("train.txt", "tune.txt") for story in read(tmp_path / "out" / name)]
+    assert sorted(stories) == ["A story.\nIts second line.", "Another story."]
 
 def test_without_a_valid_file_one_story_in_twenty_becomes_valid(corpus, tmp_path):
     counts = data.write_stories(data.local_files(corpus / "stories-train.txt.gz"), tmp_path)

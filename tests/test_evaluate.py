@@ -40,6 +40,7 @@ def test_words_used_counts_whole_words_in_any_case(story, share):
     ("cake", "The cakes' box.", True), ("kite", "Lily's kite", True),
     ("car", "A card.", False), ("win", "The wind.", False), ("ten", "They tend it.", False),
     ("car", "She cares.", False), ("rain", "The brain.", False),
+    ("rain", "It rainned.", False), ("look", "He lookked.", False),  # two vowels: no doubling
     ("hop", "She hoped.", True),  # the documented slip: hope's forms count for hop
 ])
 def test_inflection_rule(word, story, used):
@@ -87,6 +88,16 @@ def test_saved_results_are_named_after_the_path_so_two_runs_never_collide(path, 
     assert evaluate.saved_name(path) == name
 
 
+def test_a_model_in_the_folder_you_are_in_is_named_after_that_folder(tmp_path, monkeypatch):
+    (tmp_path / "my-model" / "inside").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my-model")
+    for path in ("model.pt", ".", "inside/../model.pt"):
+        assert model_name(path) == "my-model"
+        assert evaluate.saved_name(path).endswith("-my-model")
+    monkeypatch.chdir(tmp_path / "my-model" / "inside")
+    assert model_name("../model.pt") == "my-model" and evaluate.saved_name("../model.pt").endswith("-my-model")
+
+
 def test_times_used_counts_every_form_of_a_word():
     assert evaluate.times_used("Cake! The cakes, and more cake. A cupcake.", "cake") == 3
     assert evaluate.times_used("It rained and rained; rainbows.", "rain") == 2
@@ -127,6 +138,23 @@ def test_metrics_of_a_uniform_model_match_a_hand_computation(workspace, uniform_
     assert result["ended"] == pytest.approx(2 / 50)
     assert result["uses_of_a_used_word"] == 1.0
     assert result["valid_loss"] == pytest.approx(math.log(tokenizer.vocab_size), rel=1e-5)
+
+
+def test_a_used_word_s_uses_average_over_the_seeds_that_used_one(workspace, uniform_model, monkeypatch):
+    # The first seed's stories use no word; the second's each use their first word twice.
+    model, tokenizer = uniform_model
+    instructions = load_instructions(workspace / "heldout.json")
+    valid = np.memmap(workspace / "data" / "valid.bin", dtype=np.uint16, mode="r")
+
+    def stories(model, tokenizer, instructions, seed):
+        if seed == evaluate.SEED:
+            return [tokenizer.encode("Nothing.") for _ in instructions]
+        return [tokenizer.encode(f"A {i['words'][0]} and a {i['words'][0]}.") for i in instructions]
+
+    monkeypatch.setattr(evaluate, "heldout_stories", stories)
+    result = measure(model, tokenizer, instructions, valid, "cpu", seeds=2, windows=4)
+    assert result["words_used_by_seed"] == [0.0, pytest.approx(1 / 3)]
+    assert result["uses_of_a_used_word"] == 2.0
 
 
 def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, capsys):

@@ -1,6 +1,7 @@
 import math
 import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -67,6 +68,28 @@ def test_valid_loss_is_the_mean_over_its_windows():
     assert got == pytest.approx(np.mean(by_hand), rel=1e-5)
 
 
+def test_measuring_the_valid_loss_leaves_a_training_model_in_training():
+    # Else pretraining would go on without dropout after its first validation.
+    model = GPT(Config(vocab_size=50, **TINY)).train()
+    train.valid_loss(model, np.arange(200, dtype=np.uint16) % 50, "cpu", windows=3, context=16)
+    assert model.training
+
+
+def test_a_step_takes_its_gradients_clipped_to_a_norm_of_clip():
+    # One step of plain gradient descent at rate 1 moves the weights by the gradient itself:
+    # a loss 1,000 times too large moves them by CLIP, no more.
+    model = torch.nn.Linear(4, 1, bias=False)
+    before = model.weight.detach().clone()
+    train.optimizer_step(model, torch.optim.SGD(model.parameters(), lr=1.0), 1000 * model(torch.ones(1, 4)).sum(), 1.0)
+    assert float((model.weight.detach() - before).norm()) == pytest.approx(train.CLIP)
+
+
+def test_weight_decay_shrinks_the_matrices_alone():
+    model = GPT(Config(vocab_size=50, **TINY))
+    optimizer = train.make_optimizer(model)
+    decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert decay == {id(p): train.WEIGHT_DECAY if p.dim() >= 2 else 0.0 for p in model.parameters()}
+
 def test_missing_token_file_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match="python data.py"):
         train.load_tokens("train", tmp_path)
@@ -95,7 +118,7 @@ def test_the_last_step_s_model_is_measured_and_saved_once(script, workspace, tmp
     monkeypatch.setattr(script, "EVAL_EVERY", 5)
     saved = []
 
-    def save_checkpoint(folder, model, tokenizer, made_by, *optimizer):
+    def save_checkpoint(folder, model, tokenizer, made_by, *optimizer, **state):
         saved.append(made_by["step"])
 
     monkeypatch.setattr(script, "save_checkpoint", save_checkpoint)
@@ -105,3 +128,60 @@ def test_the_last_step_s_model_is_measured_and_saved_once(script, workspace, tmp
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--steps", steps, *CPU_FP32])
         script.main()
         assert saved == expected
+
+
+def test_a_checkpoint_s_seconds_count_the_step_it_saves(workspace, tmp_path, monkeypatch):
+    # A clock that moves 10 seconds a training step and stands still otherwise: the checkpoints
+    # saved at steps 5 and 7 record 50 and 70 seconds, the time a resumed run goes on from.
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    launch.patch(monkeypatch.setattr, {})
+    monkeypatch.setattr(train, "EVAL_EVERY", 5)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    train_step = train.train_step
+
+    def step_of_ten_seconds(*args):
+        clock[0] += 10.0
+        return train_step(*args)
+
+    monkeypatch.setattr(train, "train_step", step_of_ten_seconds)
+    saved = []
+    monkeypatch.setattr(train, "save_checkpoint", lambda folder, model, tokenizer, made_by, *optimizer, **state:
+                        saved.append((made_by["step"], made_by["seconds"])))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "7", *CPU_FP32])
+    train.main()
+    assert saved == [(5, 50.0), (7, 70.0)]
+
+
+def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(workspace, tmp_path, monkeypatch):
+    # The tests' tiny model with dropout, 4 steps, a checkpoint every 2: one run straight
+    # through, one stopped right after its step-2 checkpoint and resumed. Both draw the same
+    # windows and dropout masks, so both end on the same weights, to the bit.
+    launch.patch(monkeypatch.setattr, {})
+    monkeypatch.setattr(train, "Config", lambda vocab_size: Config(vocab_size=vocab_size, **TINY))
+    monkeypatch.setattr(train, "EVAL_EVERY", 2)
+    save_checkpoint = train.save_checkpoint
+
+    def run(folder, *args, stop_after_step=None):
+        shutil.copytree(workspace / "data", folder / "data", dirs_exist_ok=True)
+        monkeypatch.chdir(folder)
+
+        def save_then_stop(path, model, tokenizer, made_by, *optimizer, **state):
+            save_checkpoint(path, model, tokenizer, made_by, *optimizer, **state)
+            if made_by["step"] == stop_after_step:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
+        monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "4", *CPU_FP32, *args])
+        train.main()
+        return torch.load(folder / "checkpoints" / "pretrain" / "model.pt", weights_only=True)
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "stopped", stop_after_step=2)
+    resumed = run(tmp_path / "stopped", "--resume")
+    assert resumed["made_by"]["step"] == straight["made_by"]["step"] == 4
+    assert straight["config"]["dropout"] > 0
+    for name, weights in straight["model"].items():
+        assert torch.equal(resumed["model"][name], weights), name
