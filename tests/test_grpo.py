@@ -1,4 +1,5 @@
 import itertools
+import math
 import os
 import random
 import re
@@ -193,6 +194,27 @@ def test_with_kl_weight_0_the_drift_is_still_measured(workspace, run_main, quick
     assert len(drifts) == 3
     assert drifts[0] == 0.0 and drifts[-1] > 0.01  # the first rollout is the reference's own
 
+
+@pytest.mark.parametrize("script", [ppo, grpo])
+def test_the_logged_kl_is_the_k3_estimate_summed_over_a_story_s_tokens(script, workspace, run_main, quick,
+                                                                         monkeypatch):
+    # The reference made one nat likelier than the policy at every token, r = log ref - log old
+    # = 1 in the first rollout (the policy is the reference there): each story token adds
+    # e^r - r - 1 = e - 2 to its story's KL, where the other sign would add 1/e.
+    quick(script)
+    real_logprobs = script.token_logprobs
+
+    def reference_one_nat_likelier(model, x, y, **options):
+        logprobs = real_logprobs(model, x, y, **options)
+        return logprobs if next(model.parameters()).requires_grad else logprobs + 1.0
+
+    monkeypatch.setattr(script, "token_logprobs", reference_one_nat_likelier)
+    logged, real_log = [], script.log_rollout
+    monkeypatch.setattr(script, "log_rollout", lambda writer, rollout, figures, line: logged.append(figures)
+                        or real_log(writer, rollout, figures, line))
+    run_main(script, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
+    (figures,) = logged
+    assert figures["kl"] == pytest.approx((math.e - 2) * figures["completions/mean_length"], rel=1e-5)
 
 def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace, run_main, quick, monkeypatch,
                                                                      capsys):

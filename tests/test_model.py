@@ -1,4 +1,6 @@
-"""The GPT (model.py): its size, its context, and its plain generate()."""
+"""The GPT (model.py): its size, its context, its weights' start, and its plain generate()."""
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,26 @@ def test_series_model_has_about_14_6_million_parameters():
     assert 14.5e6 <= count <= 14.7e6
 
 
+def test_the_layers_that_add_to_the_stream_start_smaller():
+    # GPT-2's scaling: each block's attention and MLP end in a layer that adds to the stream,
+    # started at 0.02 / sqrt(2 x layers), where the other matrices start at 0.02.
+    model = GPT(Config()).requires_grad_(False)
+    scaled = 0.02 / math.sqrt(2 * Config.n_layer)
+    for block in (model.blocks[0], model.blocks[-1]):
+        assert float(block.attention.proj.weight.std()) == pytest.approx(scaled, rel=0.05)
+        assert float(block.mlp.down.weight.std()) == pytest.approx(scaled, rel=0.05)
+        assert float(block.mlp.up.weight.std()) == pytest.approx(0.02, rel=0.05)
+
+
+def test_every_weight_takes_part_in_the_loss():
+    # A layer read in the wrong place (the MLP reading the attention's layer norm, say) leaves
+    # some weight out of the forward pass: its gradient would be None or zero.
+    model = tiny_model()
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens)[1].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
 def test_context_is_enforced():
     model = tiny_model()
     with pytest.raises(ValueError, match="context"):
@@ -46,6 +68,20 @@ def test_greedy_generation_takes_the_likeliest_token_each_time():
         slow = generate_by_recomputing(model, prompt, 40)
     assert torch.equal(model.generate(prompt, 40, temperature=0), slow)
 
+
+def test_generation_past_the_context_reads_the_last_positions():
+    # A model of 8 positions writing 15 tokens: each token past the 8th comes from the 8 before it.
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=97, **{**TINY, "context": 8}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    model.eval()
+    out = model.generate(torch.tensor([[1, 2, 3]]), 12, temperature=0)
+    with torch.no_grad():
+        for t in range(8, out.size(1)):
+            assert out[0, t] == model(out[:, t - 8:t])[0][0, -1].argmax()
 
 def test_generation_draws_from_the_model_distribution_with_its_temperature_and_top_k():
     model = tiny_model(vocab_size=5)

@@ -314,6 +314,37 @@ def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick,
     assert any((workspace / "runs" / "ppo" / "kl-0.05-lr-0.003-seed-3").glob("events.out.tfevents.*"))
 
 
+def test_the_critic_s_error_moves_the_critic_alone_and_its_guesses_are_taken_from_the_rewards(workspace, run_main,
+                                                                                                quick, monkeypatch):
+    # Three rollouts. The critic reads the policy's channels, detached: its error reaches no
+    # weight of the policy. Each token's advantage is the story's reward less the critic's guess
+    # there: in the first rollout, with the critic at 0, one number along a story; once the
+    # critic has learned, numbers that change along it.
+    quick(ppo)
+    updates = recording_the_update(ppo, "ppo_loss", monkeypatch)
+    loaded, real_load = [], ppo.load_checkpoint
+    monkeypatch.setattr(ppo, "load_checkpoint", lambda *args, **kwargs: loaded.append(real_load(*args, **kwargs))
+                        or loaded[-1])
+    reaches_the_policy, real_value_loss = [], ppo.value_loss
+
+    def value_loss(values, rewards, mask):
+        critic_loss = real_value_loss(values, rewards, mask)
+        grads = torch.autograd.grad(critic_loss, list(loaded[0].parameters()), allow_unused=True, retain_graph=True)
+        reaches_the_policy.append(any(grad is not None for grad in grads))
+        return critic_loss
+
+    monkeypatch.setattr(ppo, "value_loss", value_loss)
+    run_main(ppo, "--rollouts", "3", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
+    assert len(reaches_the_policy) == len(updates) > 0 and not any(reaches_the_policy)
+
+    def changes_along_a_story(update):
+        return any(len(set(row[kept].tolist())) > 1 for row, kept in zip(update["advantages"], update["mask"].bool()))
+
+    per_rollout = ppo.EPOCHS * ppo.BATCHES * ppo.PER_BATCH // ppo.MINIBATCH
+    assert len(updates) == 3 * per_rollout
+    assert not any(changes_along_a_story(update) for update in updates[:per_rollout])
+    assert all(changes_along_a_story(update) for update in updates[per_rollout:])
+
 @pytest.mark.parametrize("args, message", [(["--kl", "-0.1"], "--kl"), (["--minutes", "0"], "--minutes"),
                                            (["--rollouts", "0"], "--rollouts"), (["--lr", "0"], "--lr"),
                                            (["--seed", "-1"], "--seed must be 0 or more")])

@@ -72,6 +72,24 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
 
 
+def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
+    # rollout-10.pt comes after rollout-9.pt, though not in the alphabet.
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
+    for rollout in (9, 10):
+        rl.save_rollout(tmp_path, rollout, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    assert rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 10
+
+
+def test_the_stories_figures_are_their_mean_length_the_share_cut_short_and_the_entropy_per_token():
+    # Three stories (end-of-text is 0): the first ends, the other two are cut at the limit.
+    old = torch.tensor([[-1.0, -3.0], [-2.0, 0.0], [-2.0, 0.0]])  # log p of each drawn token
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    figures = rl.rollout_stats([[5, 0], [5], [6]], old, mask, eot=0)
+    assert figures["completions/mean_length"] == pytest.approx(4 / 3)
+    assert figures["completions/clipped_ratio"] == pytest.approx(2 / 3)
+    assert figures["entropy"] == pytest.approx((1 + 3 + 2 + 2) / 4)  # the mean of -log p over the story tokens
+
 # An earlier run's rollout checkpoints, left in the folder of a new run, would be what a later
 # --resume of the new run went on from (it takes the highest rollout).
 def test_a_new_run_replaces_an_earlier_runs_checkpoints_once_it_has_saved_its_first(workspace, run_main, quick,

@@ -49,6 +49,12 @@ def test_write_gives_at_most_the_tokens_asked_for_and_a_seed_repeats_it(small_mo
     assert write(small_model, small_tokenizer, "Once upon a time", max_new_tokens=12, seed=4) != story
 
 
+def test_each_batch_of_prompts_draws_on_where_the_one_before_left_off(small_model, small_tokenizer):
+    # Four copies of one prompt in batches of two: one seed for the whole call, so the second
+    # batch's stories are new draws, not the first batch's again.
+    stories = write_stories(small_model, small_tokenizer, ["Once"] * 4, max_new_tokens=20, batch=2)
+    assert stories[:2] != stories[2:]
+
 def test_stories_of_prompts_of_several_lengths_come_back_in_order(small_model, small_tokenizer):
     prompts = ["Once upon a time", "A kite", "The river was", "A river", "A kite flew", "A river flew"]
     together = write_stories(small_model, small_tokenizer, prompts, max_new_tokens=15, temperature=0)
