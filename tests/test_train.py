@@ -68,6 +68,14 @@ def test_valid_loss_is_the_mean_over_its_windows():
     assert got == pytest.approx(np.mean(by_hand), rel=1e-5)
 
 
+def test_a_checkpoint_without_the_random_states_resumes_drawing_new_windows_from_its_step():
+    # A checkpoint saved before they were kept: the windows come from the step, the dropout
+    # masks from the run's start, as they did then.
+    rng, torch_state = np.random.default_rng(train.SEED), torch.get_rng_state()
+    train.resume_draws({"made_by": {"step": 250}}, rng, 250)
+    assert rng.integers(0, 10**9) == np.random.default_rng(train.SEED + 250).integers(0, 10**9)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+
 def test_measuring_the_valid_loss_leaves_a_training_model_in_training():
     # Else pretraining would go on without dropout after its first validation.
     model = GPT(Config(vocab_size=50, **TINY)).train()
