@@ -87,11 +87,12 @@ def read_checkpoint(path):
 def made_with(file):
     """The command that makes a checkpoint, for the errors that name it."""
     # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is
-    # grpo.py's, checkpoints/dpo-seed-2/ dpo.py's with options its name gives.
+    # grpo.py's; finetune.py and dpo.py name a run's folder after the options it differs by
+    # (checkpoints/dpo-seed-2/, finetune-plain-0.5/).
     folders = file.parts[:-1]
     script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else ""
     script, _, options = script_folder.partition("-")
-    if script not in MADE_BY:
+    if script not in MADE_BY or (options and script not in ("finetune", "dpo")):
         return "the script that writes it"
     return MADE_BY[script] + (f" with the options its folder's name gives ({script_folder})" if options else "")
 

@@ -148,8 +148,9 @@ def saved_name(path):
     if "checkpoints" in parts:
         parts = parts[len(parts) - parts[::-1].index("checkpoints"):]
     name = "-".join(part for part in parts if part.strip("/."))
-    # A path with no folder of its own to name it (model.pt, ., ../model.pt): named from the root.
-    return name or saved_name(os.path.abspath(path))
+    # A path with no folder of its own to name it (model.pt, ., ../model.pt, checkpoints): its
+    # whole path from the root, the drive or root itself left out.
+    return name or "-".join(Path(os.path.abspath(file)).parent.parts[1:])
 
 
 def spread(values, form="{:.0%}"):

@@ -53,8 +53,9 @@ def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):
         load_checkpoint(tmp_path / "checkpoints" / "grpo" / "kl-0.05" / "rollout-10.pt")
     with pytest.raises(SystemExit, match=r"python dpo.py with the options its folder's name gives \(dpo-seed-2\)"):
         load_checkpoint(tmp_path / "checkpoints" / "dpo-seed-2")
-    with pytest.raises(SystemExit, match="make it with the script that writes it"):
-        load_checkpoint(tmp_path / "models" / "finetune")
+    for elsewhere in ("models/finetune", "checkpoints/pretrain-old"):  # not a folder any script names
+        with pytest.raises(SystemExit, match="make it with the script that writes it"):
+            load_checkpoint(tmp_path / elsewhere)
 
 
 def test_truncated_checkpoint_is_refused(small_model, small_tokenizer, tmp_path):

@@ -122,6 +122,7 @@ def test_the_story_files_keep_their_line_breaks_where_text_files_end_lines_other
     stories = [story for name in ("train.txt", "tune.txt") for story in read(tmp_path / "out" / name)]
     assert sorted(stories) == ["A story.\nIts second line.", "Another story."]
 
+
 def test_without_a_valid_file_one_story_in_twenty_becomes_valid(corpus, tmp_path):
     counts = data.write_stories(data.local_files(corpus / "stories-train.txt.gz"), tmp_path)
     assert counts["train"] + counts["tune"] + counts["valid"] == 400
@@ -236,6 +237,7 @@ def test_changed_source_is_prepared_again(corpus, prepared, capsys):
 
 
 # ---------------------------------------------------------------- damaged outputs, two runs at once
+
 
 def test_a_damaged_output_is_made_again(corpus, prepared, capsys):
     made = {name: (prepared / name).read_bytes() for name in ("train.bin", "instructions.jsonl", "tokenizer.json")}

@@ -89,13 +89,17 @@ def test_saved_results_are_named_after_the_path_so_two_runs_never_collide(path, 
 
 
 def test_a_model_in_the_folder_you_are_in_is_named_after_that_folder(tmp_path, monkeypatch):
+    # Its results are saved under its whole path, as no folder under checkpoints/ names it.
     (tmp_path / "my-model" / "inside").mkdir(parents=True)
+    (tmp_path / "checkpoints").mkdir()
+    whole_path = "-".join((tmp_path / "my-model").parts[1:])
     monkeypatch.chdir(tmp_path / "my-model")
     for path in ("model.pt", ".", "inside/../model.pt"):
-        assert model_name(path) == "my-model"
-        assert evaluate.saved_name(path).endswith("-my-model")
+        assert (model_name(path), evaluate.saved_name(path)) == ("my-model", whole_path)
     monkeypatch.chdir(tmp_path / "my-model" / "inside")
-    assert model_name("../model.pt") == "my-model" and evaluate.saved_name("../model.pt").endswith("-my-model")
+    assert (model_name("../model.pt"), evaluate.saved_name("../model.pt")) == ("my-model", whole_path)
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.saved_name("checkpoints") == "-".join((tmp_path / "checkpoints").parts[1:])
 
 
 def test_times_used_counts_every_form_of_a_word():

@@ -15,6 +15,7 @@ from files import check_writable
 
 # ---------------------------------------------------------------- a folder that cannot be written
 
+
 def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
     check_writable(tmp_path / "checkpoints" / "pretrain", tmp_path / "runs")
     assert [p.name for p in (tmp_path / "checkpoints" / "pretrain").iterdir()] == []

@@ -216,6 +216,7 @@ def test_the_logged_kl_is_the_k3_estimate_summed_over_a_story_s_tokens(script, w
     (figures,) = logged
     assert figures["kl"] == pytest.approx((math.e - 2) * figures["completions/mean_length"], rel=1e-5)
 
+
 def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace, run_main, quick, monkeypatch,
                                                                      capsys):
     quick(grpo)

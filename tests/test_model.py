@@ -55,6 +55,7 @@ def test_every_weight_takes_part_in_the_loss():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
+
 def test_context_is_enforced():
     model = tiny_model()
     with pytest.raises(ValueError, match="context"):
@@ -82,6 +83,7 @@ def test_generation_past_the_context_reads_the_last_positions():
     with torch.no_grad():
         for t in range(8, out.size(1)):
             assert out[0, t] == model(out[:, t - 8:t])[0][0, -1].argmax()
+
 
 def test_generation_draws_from_the_model_distribution_with_its_temperature_and_top_k():
     model = tiny_model(vocab_size=5)

@@ -345,6 +345,7 @@ def test_the_critic_s_error_moves_the_critic_alone_and_its_guesses_are_taken_fro
     assert not any(changes_along_a_story(update) for update in updates[:per_rollout])
     assert all(changes_along_a_story(update) for update in updates[per_rollout:])
 
+
 @pytest.mark.parametrize("args, message", [(["--kl", "-0.1"], "--kl"), (["--minutes", "0"], "--minutes"),
                                            (["--rollouts", "0"], "--rollouts"), (["--lr", "0"], "--lr"),
                                            (["--seed", "-1"], "--seed must be 0 or more")])

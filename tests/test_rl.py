@@ -90,6 +90,7 @@ def test_the_stories_figures_are_their_mean_length_the_share_cut_short_and_the_e
     assert figures["completions/clipped_ratio"] == pytest.approx(2 / 3)
     assert figures["entropy"] == pytest.approx((1 + 3 + 2 + 2) / 4)  # the mean of -log p over the story tokens
 
+
 # An earlier run's rollout checkpoints, left in the folder of a new run, would be what a later
 # --resume of the new run went on from (it takes the highest rollout).
 def test_a_new_run_replaces_an_earlier_runs_checkpoints_once_it_has_saved_its_first(workspace, run_main, quick,

@@ -49,11 +49,16 @@ def test_write_gives_at_most_the_tokens_asked_for_and_a_seed_repeats_it(small_mo
     assert write(small_model, small_tokenizer, "Once upon a time", max_new_tokens=12, seed=4) != story
 
 
-def test_each_batch_of_prompts_draws_on_where_the_one_before_left_off(small_model, small_tokenizer):
-    # Four copies of one prompt in batches of two: one seed for the whole call, so the second
-    # batch's stories are new draws, not the first batch's again.
-    stories = write_stories(small_model, small_tokenizer, ["Once"] * 4, max_new_tokens=20, batch=2)
-    assert stories[:2] != stories[2:]
+def test_write_stories_batches_draw_from_one_generator_seeded_once(small_model, small_tokenizer):
+    # Four copies of one prompt in batches of two: the second batch draws on where the first
+    # left off, as two calls of generate with one generator do, so its stories are new ones.
+    stories = write_stories(small_model, small_tokenizer, ["Once"] * 4, max_new_tokens=20, seed=5, batch=2)
+    generator = torch.Generator().manual_seed(5)
+    group = torch.tensor([encode_prompt(small_tokenizer, "Once")] * 2)
+    expected = [cut_at_end(row[group.size(1):].tolist(), small_tokenizer.eot) for _ in range(2)
+                for row in generate(small_model, [group], 20, stop=small_tokenizer.eot, generator=generator)[0]]
+    assert stories == expected and stories[:2] != stories[2:]
+
 
 def test_stories_of_prompts_of_several_lengths_come_back_in_order(small_model, small_tokenizer):
     prompts = ["Once upon a time", "A kite", "The river was", "A river", "A kite flew", "A river flew"]

@@ -69,12 +69,13 @@ def test_valid_loss_is_the_mean_over_its_windows():
 
 
 def test_a_checkpoint_without_the_random_states_resumes_drawing_new_windows_from_its_step():
-    # A checkpoint saved before they were kept: the windows come from the step, the dropout
-    # masks from the run's start, as they did then.
+    # A checkpoint without the random states: the windows from SEED + step, the dropout masks
+    # from the run's seed.
     rng, torch_state = np.random.default_rng(train.SEED), torch.get_rng_state()
     train.resume_draws({"made_by": {"step": 250}}, rng, 250)
     assert rng.integers(0, 10**9) == np.random.default_rng(train.SEED + 250).integers(0, 10**9)
     assert torch.equal(torch.get_rng_state(), torch_state)
+
 
 def test_measuring_the_valid_loss_leaves_a_training_model_in_training():
     # Else pretraining would go on without dropout after its first validation.
@@ -97,6 +98,7 @@ def test_weight_decay_shrinks_the_matrices_alone():
     optimizer = train.make_optimizer(model)
     decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     assert decay == {id(p): train.WEIGHT_DECAY if p.dim() >= 2 else 0.0 for p in model.parameters()}
+
 
 def test_missing_token_file_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match="python data.py"):
