@@ -350,3 +350,38 @@ def test_a_damaged_record_stops_the_course_with_one_line(learner, monkeypatch):
         (learner / course.RECORD).write_text(damaged)
         with pytest.raises(SystemExit, match="course.json is damaged .*; delete it"):
             take_course(monkeypatch, "--quick")
+
+
+def test_a_pretrained_model_made_again_is_fine_tuned_again(learner, monkeypatch):
+    Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    age_everything(learner)
+    (learner / "checkpoints" / "pretrain" / "model.pt").touch()  # pretraining trained once more, by hand
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert [c[0] for c in scripts.commands[:4]] == ["evaluate.py", "finetune.py", "evaluate.py", "preferences.py"]
+
+
+def test_the_report_gives_each_model_s_words_used_as_the_mean_over_its_held_out_seeds(learner, monkeypatch):
+    Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    path = course.evaluation(course.CHECKPOINTS / "dpo")
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "words_used": 0.3, "words_used_by_seed": [0.2, 0.3, 0.4], "seeds": 3}))
+    assert "| DPO | 1 | 100 steps | 30% |" in course.summary(course.model_rows(1))
+
+
+def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_on(learner, monkeypatch):
+    now = time.time()
+    folder = learner / "checkpoints" / "grpo" / "kl-0.05"
+    folder.mkdir(parents=True)
+    (folder / "rollout-30.pt").write_bytes(b"an older run's")
+    age(folder / "rollout-30.pt")
+    (folder / "rollout-10.pt").write_bytes(b"this sitting's")
+    os.utime(folder / "rollout-10.pt", (now - 50, now - 50))
+    (learner / "runs").mkdir()
+    course.save_record({"GRPO, KL 0.05": {"command": "python grpo.py --minutes 1 --kl 0.05", "started": now - 100,
+                                          "minutes": None}})
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["grpo.py", "--minutes", "1", "--kl", "0.05", "--resume"] in scripts.commands

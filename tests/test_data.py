@@ -3,6 +3,9 @@ import gzip
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,4 +295,46 @@ def test_a_held_out_instruction_that_the_reward_would_misread_is_refused(tmp_pat
         example.update(words=words, instruction=data.instruction(words) if isinstance(words, list) else "")
     (tmp_path / "heldout.json").write_text(json.dumps(heldout))
     with pytest.raises(SystemExit, match="held-out instruction 7 is not three lowercase words"):
+        data.read_heldout(tmp_path / "heldout.json")
+
+
+def test_a_word_counts_once_per_story_however_often_the_story_uses_it(tmp_path):
+    stories = [f"Tom ran home, number {i}." for i in range(100)]
+    for i in range(6):
+        stories[i] += " He saw a kite."  # in 6 stories: askable
+    for i in range(6, 8):
+        stories[i] += " A lantern, a lantern, a lantern, a lantern, a lantern."  # 10 uses, in 2 stories only
+    (tmp_path / "train.txt").write_text("".join(f"{s}\n{SEPARATOR}\n" for s in stories), encoding="utf-8")
+    askable = data.askable_words(tmp_path / "train.txt")
+    assert "kite" in askable and "lantern" not in askable
+
+
+def test_the_words_asked_of_a_story_are_the_same_in_every_process():
+    story = "The kite, the river, the brave frog, a red boat, a big cake and a warm sun."
+    askable = ["kite", "river", "brave", "frog", "red", "boat", "big", "cake", "warm", "sun"]
+    code = f"import data; print(data.pick_words({story!r}, set({askable!r})))"
+    root = Path(data.__file__).resolve().parent
+    drawn = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(drawn) == 1
+
+
+def test_a_story_after_a_separator_on_the_same_line_is_kept(tmp_path):
+    (tmp_path / "train.txt").write_text(f"Story A.\n{SEPARATOR}Story B.\n{SEPARATOR}\n")
+    assert [s.strip() for s in data.read_stories(tmp_path / "train.txt")] == ["Story A.", "Story B."]
+
+
+def test_one_train_story_in_four_is_kept_for_fine_tuning_with_or_without_a_valid_file():
+    keys = [data.fingerprint(f"Story number {i}.") for i in range(20_000)]
+    for has_valid in (True, False):
+        splits = [data.split_of("train", key, has_valid) for key in keys]
+        kept = [split for split in splits if split != "valid"]
+        assert 0.235 < kept.count("tune") / len(kept) < 0.265
+
+
+def test_a_heldout_file_with_an_instruction_missing_is_refused(tmp_path):
+    heldout = json.loads(data.HELDOUT.read_text())
+    heldout["instructions"].pop()
+    (tmp_path / "heldout.json").write_text(json.dumps(heldout))
+    with pytest.raises(SystemExit, match="is not version 1"):
         data.read_heldout(tmp_path / "heldout.json")

@@ -134,3 +134,24 @@ def test_words_rate_is_the_share_over_the_heldout_set(workspace, workspace_token
     first_word = [workspace_tokenizer.encode(i["words"][0]) for i in instructions]
     monkeypatch.setattr(dpo, "heldout_stories", lambda *args: first_word)
     assert dpo.words_rate(workspace_model, workspace_tokenizer, instructions) == pytest.approx(1 / 3)
+
+
+def test_the_reference_stays_the_fine_tuned_model_and_the_first_step_logs_log_2(workspace, run_main, capsys,
+                                                                                 monkeypatch):
+    seen, real_pair_losses = [], dpo.pair_losses
+    monkeypatch.setattr(dpo, "pair_losses", lambda policy, reference, *args: seen.append((policy, reference))
+                        or real_pair_losses(policy, reference, *args))
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))  # eight pairs, from the first
+    words = ["cat", "dog", "sun", "tree", "ball", "cake", "rain", "jump", "park", "boat"]
+    saved["pairs"] = [dict(saved["pairs"][0], instruction=instruction(words[i:i + 3])) for i in range(8)]
+    preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+    capsys.readouterr()
+    run_main(dpo, "--steps", "2", "--precision", "fp32", "--device", "cpu")
+    (policy, reference), _ = seen
+    fine_tuned = read_checkpoint(workspace / "checkpoints" / "finetune")["model"]
+    assert all(torch.equal(value, fine_tuned[name]) for name, value in reference.state_dict().items())
+    assert not all(torch.equal(value, fine_tuned[name]) for name, value in policy.state_dict().items())
+    # Step 1: the policy is its reference, so each pair's loss is log 2 (the batch's mean, not
+    # its sum) and no pair's margin is positive yet.
+    assert "step 1: loss 0.693, margin 0.000, accuracy 0%" in capsys.readouterr().out

@@ -165,3 +165,27 @@ def test_a_damaged_gz_file_stops_in_one_line_whatever_the_damage(tmp_path):
         with pytest.raises(SystemExit, match="is damaged"), gzip.open(path, "rb") as file:
             for _ in files.read_lines(file, path):
                 pass
+
+
+def test_a_server_that_ignores_the_range_sends_the_whole_file_once(tmp_path):
+    content = b"".join(b"Story number %d about a kite.\n" % i for i in range(20_000))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # no Range support: always the whole file, 200
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "train.txt.part").write_bytes(content[:100_000])
+        files.fetch(f"http://127.0.0.1:{server.server_port}/train.txt", tmp_path / "train.txt")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (tmp_path / "train.txt").read_bytes() == content

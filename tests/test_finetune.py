@@ -1,5 +1,7 @@
 import argparse
 import json
+import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -7,10 +9,12 @@ import torch
 
 import finetune
 import train
+from checkpoints import read_checkpoint, save_checkpoint
 from data import LOWERCASE_WORD, SEED, instruction
 from files import read_instructions, read_words
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt, load_tokenizer
+from train import learning_rate
 
 
 def test_only_the_story_and_its_end_are_targets():
@@ -198,3 +202,64 @@ def test_the_weighted_step_is_the_weighted_mean_of_the_targets_losses():
     assert step == pytest.approx(by_hand.item(), rel=1e-5)
     assert finetune.weighted_step(model, optimizer, x, y, torch.ones(y.shape), "cpu", "fp32", 0.0) == pytest.approx(
         model(x, y)[1].item(), rel=1e-5)  # weights of 1: the training step's mean
+
+
+def test_the_held_back_instructions_are_never_trained_on():
+    instructions = list(range(finetune.HELD_BACK + 300))
+    training, held = finetune.split_held_back(instructions)
+    assert len(held) == finetune.HELD_BACK and not set(training) & set(held)
+    assert sorted(training + held) == instructions
+
+
+def test_every_plain_window_is_a_whole_context_even_at_the_end_of_the_tokens():
+    tokens = np.arange(finetune.MAX_LENGTH + 3, dtype=np.uint16)  # room for two windows' starts only
+    windows = finetune.plain_windows(tokens, np.random.default_rng(0), 200)
+    assert all(len(window) == finetune.MAX_LENGTH + 1 for window, _ in windows)
+
+
+def test_two_asked_nouns_are_never_swapped_for_the_same_one():
+    nouns = {"kite", "river", "cake", "boat"}  # for kite and river, only cake and boat are free
+    example = {"words": ["kite", "river", "jumped"], "instruction": "", "story": "The kite flew over the river."}
+    for seed in range(20):
+        kite, river, _ = finetune.swap_nouns(example, nouns, 1.0, seed)["words"]
+        assert {kite, river} == {"cake", "boat"}
+
+
+def test_the_instruction_loss_is_the_mean_over_all_story_tokens_and_leaves_dropout_on(workspace_tokenizer):
+    tokenizer = workspace_tokenizer
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))  # in training mode
+    # One batch of 16 long examples, then one short one: its few tokens weigh little.
+    examples = [([tokenizer.eot, 5] + [7 + i % 50 for i in range(60)], 2)] * finetune.BATCH + [([tokenizer.eot, 5, 9], 2)]
+    loss = finetune.instruction_loss(model, examples, tokenizer.eot, "cpu", "fp32")
+    assert model.training  # training goes on with its dropout
+    model.eval()
+    with torch.no_grad():
+        x, y = finetune.collate(examples, tokenizer.eot, "cpu")
+        assert loss == pytest.approx(model(x, y)[1].item(), rel=1e-5)
+
+
+def test_the_run_s_levers_reach_its_steps(workspace, tmp_path, monkeypatch):
+    """--lr is the schedule's peak, --words the words asked, and each pass asks anew."""
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
+    save_checkpoint(tmp_path / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
+    lrs, asked, real_ask = [], [], finetune.ask_anew
+    monkeypatch.setattr(finetune, "train_step", lambda model, optimizer, x, y, device, precision, lr, *a: lrs.append(lr) or 0.0)
+    monkeypatch.setattr(finetune, "ask_anew", lambda story, askable, seed, *args: asked.append(
+        (story, seed, real_ask(story, askable, seed, *args)["words"])) or real_ask(story, askable, seed, *args))
+    monkeypatch.setattr(finetune, "instruction_loss", lambda *args: 0.0)
+    monkeypatch.setattr(finetune, "valid_loss", lambda *args: 0.0)
+    monkeypatch.setattr(finetune, "demo_story", lambda *args, **kwargs: "")
+    stories = len(finetune.read_instructions(tmp_path / "data" / "instructions.jsonl")) - finetune.HELD_BACK
+    steps = 2 * stories // 10 + 2  # over two passes, ten instructions a step
+    monkeypatch.setattr(sys, "argv", ["finetune.py", "--steps", str(steps), "--lr", "3e-4", "--words", "4",
+                                      "--device", "cpu"])
+    finetune.main()
+    assert lrs[0] == pytest.approx(learning_rate(0, 0.0, 3e-4, finetune.MIN_LR, finetune.WARMUP))
+    assert all(len(words) <= 4 for _, _, words in asked) and any(len(words) == 4 for _, _, words in asked)
+    assert len({(story, seed) for story, seed, _ in asked}) == len(asked)  # no story asked twice with one seed
+    assert read_checkpoint(tmp_path / "checkpoints" / "finetune-lr-0.0003-words-4")["made_by"]["step"] == steps

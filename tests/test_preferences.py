@@ -1,9 +1,11 @@
 import json
+from collections import Counter
 
 import pytest
 import torch
 
 import preferences
+from data import instruction
 
 
 def test_asks_are_grouped_by_their_length_in_tokens(workspace, workspace_tokenizer):
@@ -72,3 +74,31 @@ def test_damaged_pairs_file_is_refused(tmp_path):
         preferences.load_pairs(tmp_path / "preferences.json")
     with pytest.raises(SystemExit, match="python preferences.py"):
         preferences.load_pairs(tmp_path / "missing.json")
+
+
+def test_each_instruction_s_pair_is_made_of_the_stories_written_for_it(workspace_tokenizer, monkeypatch):
+    tokenizer = workspace_tokenizer
+    examples = [{"words": words, "instruction": instruction(words)}
+                for words in (["kite", "river", "brave"], ["cake", "rain", "jump"])]
+    # The k-th story written for a prompt uses k of its words, and names its instruction by number.
+    def write_stories(model, tokenizer, prompts, max_new_tokens, seed):
+        written, stories = Counter(), []
+        for prompt in prompts:
+            number = [e["instruction"] for e in examples].index(prompt)
+            stories.append(tokenizer.encode(" ".join(examples[number]["words"][:written[prompt]]) + f" story {number}."))
+            written[prompt] += 1
+        return stories
+    monkeypatch.setattr(preferences, "write_stories", write_stories)
+    pairs = preferences.make_pairs(None, tokenizer, examples, stories_per=3)
+    assert [pair["words"] for pair in pairs] == [e["words"] for e in examples]
+    for number, pair in enumerate(pairs):
+        assert pair["chosen"].endswith(f"story {number}.") and pair["rejected"].endswith(f"story {number}.")
+        assert (pair["chosen_reward"], pair["rejected_reward"]) == (pytest.approx(2 / 3), 0)
+
+
+def test_a_pair_whose_stories_tie_is_refused(tmp_path):
+    pair = {"instruction": "x", "chosen_tokens": [1], "rejected_tokens": [2], "chosen_reward": 1 / 3,
+            "rejected_reward": 1 / 3}
+    (tmp_path / "preferences.json").write_text(json.dumps({"settings": {}, "pairs": [pair]}))
+    with pytest.raises(SystemExit, match="not the better one"):
+        preferences.load_pairs(tmp_path / "preferences.json")

@@ -1,6 +1,7 @@
 import json
 import random
 from collections import Counter
+import numpy as np
 
 import pytest
 
@@ -148,3 +149,27 @@ def test_tokenizer_learns_from_the_first_megabytes_only():
 def test_missing_tokenizer_names_the_command(tmp_path):
     with pytest.raises(SystemExit, match="python data.py"):
         bpe.load_tokenizer(tmp_path)
+
+
+def test_token_files_longer_than_the_write_buffer_hold_each_token_once(tmp_path):
+    tokenizer = bpe.Tokenizer([])  # bytes only: a token a character
+    stories = ["a" * 400_000, "b" * 400_000, "c" * 400_000]  # 1.2 million tokens, over the buffer's 2**20
+    count = bpe.write_tokens(stories, tmp_path / "train.bin", tokenizer)
+    tokens = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    assert count == len(tokens) == 1_200_003
+    assert tokenizer.decode(tokens.tolist()) == "".join(bpe.END_OF_TEXT + s for s in stories)
+
+
+def test_a_merge_of_the_token_it_makes_is_refused(tmp_path):
+    tokenizer = bpe.train(["Once upon a time a kite flew over the river."] * 5, vocab_size=280, progress=False)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    saved["merges"][3] = [259, 1]  # token 259 is the one this merge makes
+    (tmp_path / "tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="damaged"):
+        bpe.Tokenizer.load(tmp_path / "tokenizer.json")
+
+
+def test_a_story_cut_inside_a_character_shows_the_replacement_character():
+    tokenizer = bpe.Tokenizer([])
+    assert tokenizer.decode(list("café".encode())[:-1]) == "caf\ufffd"
