@@ -167,15 +167,21 @@ def test_a_step_whose_output_exists_is_skipped_and_says_what_made_it(learner, mo
     assert "| fine-tuning | `python finetune.py --minutes 1.5` | 0.0 |" in report
 
 
-def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(learner, monkeypatch):
+def course_after_training_again(learner, monkeypatch, folder):
+    """The commands of a quick course taken again after the model in checkpoints/folder was
+    trained once more, by hand."""
     Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     age_everything(learner)
-    (learner / "checkpoints" / "dpo" / "model.pt").touch()  # DPO trained once more, by hand
+    (learner / "checkpoints" / folder / "model.pt").touch()
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
-    assert scripts.commands == [["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"],
-                                ["docs/plots.py", "--course", "--seeds", "1"]]
+    return scripts.commands
+
+
+def test_a_model_made_again_is_measured_again_and_so_is_each_model_made_from_it(learner, monkeypatch):
+    assert course_after_training_again(learner, monkeypatch, "dpo") == [
+        ["evaluate.py", "checkpoints/dpo", "--valid-windows", "128"], ["docs/plots.py", "--course", "--seeds", "1"]]
 
     age_everything(learner)
     (learner / "checkpoints" / "finetune" / "model.pt").touch()  # fine-tuning trained once more
@@ -353,13 +359,8 @@ def test_a_damaged_record_stops_the_course_with_one_line(learner, monkeypatch):
 
 
 def test_a_pretrained_model_made_again_is_fine_tuned_again(learner, monkeypatch):
-    Scripts(monkeypatch)
-    take_course(monkeypatch, "--quick")
-    age_everything(learner)
-    (learner / "checkpoints" / "pretrain" / "model.pt").touch()  # pretraining trained once more, by hand
-    scripts = Scripts(monkeypatch)
-    take_course(monkeypatch, "--quick")
-    assert [c[0] for c in scripts.commands[:4]] == ["evaluate.py", "finetune.py", "evaluate.py", "preferences.py"]
+    commands = course_after_training_again(learner, monkeypatch, "pretrain")
+    assert [command[0] for command in commands[:4]] == ["evaluate.py", "finetune.py", "evaluate.py", "preferences.py"]
 
 
 def test_the_report_gives_each_model_s_words_used_as_the_mean_over_its_held_out_seeds(learner, monkeypatch):
