@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.cpp_extension import is_ninja_available
 
 import kernels
-from model import TINY, Config
+from bench import common, decode
+from bench import train as train_bench
+from model import GPT, TINY, Config
+from sample import prefill
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,3 +252,62 @@ def test_the_writing_reads_each_rows_positions_so_far_at_each_step_after_the_fir
     # positions; a story of one token, from its prompt's pass, reads no cache. A position is
     # 256 bytes: keys and values, 2 layers, 32 channels, bf16.
     assert cache_bytes_read([[1, 2, 3], [4, 5]], [[6, 7, 0], [0]], config, 2) == (4 + 5) * 256
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return GPT(Config(vocab_size=64, **TINY)).eval()
+
+
+def test_flops_per_token_is_a_training_step_s_matrix_products_per_token():
+    # Counted by torch: forward and backward of a whole window (train.CONTEXT tokens); the
+    # estimate leaves out only the biases' and layer norms' few FLOPs. Attention by its matrix
+    # products (torch's math kernel), which the counter sees, over every pair of positions.
+    model = tiny_model()
+    x = torch.randint(0, 64, (1, train_bench.CONTEXT))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, x)[1].backward()
+    assert train_bench.flops_per_token(model) == pytest.approx(counter.get_total_flops() / x.numel(), rel=0.03)
+
+
+def test_step_flops_is_a_cached_step_s_matrix_products_for_all_its_rows():
+    model = tiny_model()
+    counted = {}
+    for positions in (32, 64):  # the step's token is the last of `positions`
+        prompts = torch.randint(0, 64, (decode.ROWS, positions - 1))
+        with torch.no_grad():
+            _, cache = prefill(model, [prompts], 4)
+            with FlopCounterMode(display=False) as counter:
+                model(torch.randint(0, 64, (decode.ROWS, 1)), cache=cache)
+        counted[positions] = counter.get_total_flops()
+        assert decode.step_flops(model, positions) == pytest.approx(counted[positions], rel=0.04)
+    # The attention's part, exactly: what 32 more cached positions add.
+    assert decode.step_flops(model, 64) - decode.step_flops(model, 32) == counted[64] - counted[32]
+
+
+def test_matmul_peak_is_the_timed_products_flops_over_their_seconds(monkeypatch):
+    clock = iter([10.0, 12.0])  # the timed products take 2 s
+    monkeypatch.setattr(train_bench.time, "perf_counter", lambda: next(clock))
+    with FlopCounterMode(display=False) as counter:
+        peak = train_bench.matmul_peak(torch.device("cpu"), torch.float32, size=64, repeats=3)
+    assert peak == pytest.approx(counter.get_total_flops() * 3 / 4 / 2.0)  # 4 products: a warm-up, then 3 timed
+
+
+def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
+    monkeypatch.setattr(common, "timed", lambda device, work: (None, 0.5))
+    assert common.read_bandwidth(torch.device("cpu")) == pytest.approx(256 * 2**20 / 0.5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or sys.platform == "darwin", reason="Linux's /proc")
+def test_peak_memory_is_in_megabytes():
+    high_water_kb = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                         if line.startswith("VmHWM:"))
+    assert common.peak_memory_mb(torch.device("cpu")) == pytest.approx(high_water_kb / 1024, rel=0.1)
+
+
+def test_timed_waits_for_the_device_before_it_starts_and_before_it_stops(monkeypatch):
+    events = []
+    monkeypatch.setattr(common, "synchronize", lambda device: events.append("wait"))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: events.append("clock") or float(len(events)))
+    result, seconds = common.timed(torch.device("cuda"), lambda: events.append("work") or 7)
+    assert result == 7 and events == ["wait", "clock", "work", "wait", "clock"]

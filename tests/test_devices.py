@@ -35,3 +35,48 @@ def test_one_busy_moment_does_not_pick_the_precision(monkeypatch):
     assert devices.bf16_speedup_on_cpu() == pytest.approx(2.0)
     bf16_products.clear()  # the same busy moment, as the scripts pick their precision
     assert devices.default_precision(torch.device("cpu")) == "bf16"
+
+
+def test_the_gpu_is_picked_when_there_is_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.pick_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert devices.pick_device() == torch.device("mps")
+
+
+@pytest.mark.parametrize("supported, precision", [(True, "bf16"), (False, "fp32")])
+def test_a_cuda_gpu_gets_bf16_where_it_has_it(monkeypatch, supported, precision):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+    assert devices.default_precision(torch.device("cuda")) == precision
+
+
+@pytest.mark.parametrize("speedup, precision", [(1.2, "fp32"), (2.1, "bf16")])
+def test_a_cpu_gets_bf16_only_where_it_is_clearly_faster(monkeypatch, speedup, precision):
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: speedup)
+    assert devices.default_precision(torch.device("cpu")) == precision
+
+
+def test_a_busy_moment_in_the_last_round_does_not_pick_the_precision(monkeypatch):
+    # bf16 products take 1 ms, fp32 2 ms; the last bf16 product timed comes 12 ms late.
+    clock, bf16_products = [0.0], []
+
+    def product(a, b):
+        if a.dtype == torch.bfloat16:
+            bf16_products.append(a)
+            clock[0] += 0.001 + (0.012 if len(bf16_products) == 1 + 5 * 4 else 0.0)  # warm-up, then 5 rounds of 4
+        else:
+            clock[0] += 0.002
+        return a
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", product)
+    monkeypatch.setattr(devices.time, "perf_counter", lambda: clock[0])
+    assert devices.bf16_speedup_on_cpu() == pytest.approx(2.0)
+
+
+def test_autocast_multiplies_in_bf16_only_when_asked():
+    a = torch.randn(4, 4)
+    with devices.autocast("cpu", "bf16"):
+        assert (a @ a).dtype == torch.bfloat16
+    with devices.autocast(torch.device("cpu"), "fp32"):
+        assert (a @ a).dtype == torch.float32

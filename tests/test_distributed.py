@@ -2,6 +2,7 @@
 (gloo), against one process on the same examples. torchrun runs tests/launch.py, which
 patches a script as the tests patch it in one process (the tiny model, short stories), then
 runs its main()."""
+import json
 import os
 import re
 import shutil
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import distributed
 import finetune
@@ -268,3 +271,36 @@ def test_micro_batches_make_the_step_of_the_whole_batch():
         assert_same_model(got, expected)
         for number, state in adam.items():
             torch.testing.assert_close(adam_pieces[number]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-7)
+
+
+def test_each_run_seed_and_rank_draw_their_own_seed(monkeypatch):
+    seeds = set()
+    for rank in range(4):
+        monkeypatch.setattr(distributed, "rank", lambda: rank)
+        seeds |= {distributed.seed(number) for number in range(4)}
+    assert len(seeds) == 16  # no two (run seed, rank) alike: seed 5's rank 1 is not seed 6's rank 0
+
+
+def exchange(rank, world, folder):
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        result = {
+            "tensor": distributed.gather(torch.tensor([[rank, 0], [rank, 1]])).tolist(),
+            "list": distributed.gather([f"{rank}a", f"{rank}b"]),
+            "mean": distributed.mean(2.0 * rank + 1),  # 1 and 3
+            "seconds": distributed.seconds_since(time.time() - (100 if rank == 0 else 0)),  # rank 0 began 100 s ago
+        }
+        (folder / f"rank-{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock(tmp_path):
+    mp.spawn(exchange, args=(2, tmp_path), nprocs=2)  # gloo, as torchrun on the CPU; about 3 s
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert got["tensor"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+        assert got["list"] == ["0a", "0b", "1a", "1b"]
+        assert got["mean"] == 2.0
+        assert 100 <= got["seconds"] < 130

@@ -34,6 +34,11 @@ class Six:
     # Right above the method.
     def seven(self):
         return 7
+
+
+FENCE = """
+```
+"""
 '''
 
 
@@ -118,3 +123,26 @@ def test_a_report_table_that_is_not_there_stops_the_build(report_root, tmp_path_
         hooks.report_table(report_root, "speed", "page")
     with pytest.raises(PluginError, match="no results/README.md"):
         hooks.report_table(tmp_path_factory.mktemp("empty"), "models", "page")
+
+
+@pytest.fixture
+def page(root):
+    """A page's markdown as the docs build gives it, the directives shown from root's script."""
+    where = SimpleNamespace(file=SimpleNamespace(src_uri="page.md"))
+    config = SimpleNamespace(config_file_path=str(root / "mkdocs.yml"))
+    return lambda markdown: hooks.on_page_markdown(markdown, where, config, None)
+
+
+def test_several_names_come_one_after_the_other_in_one_block(page):
+    assert page("::: code script.py ONE FOUR\n") == '```python title="script.py"\nONE = 1\n\nFOUR = 4\n```\n'
+
+
+def test_an_indented_directive_gives_a_block_of_that_indentation(page):
+    assert page("- a list\n\n    ::: code script.py FOUR\n") == \
+        '- a list\n\n    ```python title="script.py"\n    FOUR = 4\n    ```\n'
+
+
+def test_code_that_holds_a_fence_gets_a_longer_fence(page):
+    shown = page("::: code script.py FENCE\n").splitlines()
+    assert shown[0] == '````python title="script.py"' and shown[-1] == "````"
+    assert shown[1:-1] == ['FENCE = """', "```", '"""']

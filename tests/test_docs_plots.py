@@ -41,3 +41,50 @@ def test_a_figure_is_written_whole_or_the_one_before_stays(tmp_path, monkeypatch
     with pytest.raises((OSError, SystemExit)):
         plots.draw("curve.png", "A title", "step", "loss", lines)
     assert (tmp_path / "curve.png").read_bytes() == drawn
+
+
+def test_the_rl_table_takes_the_first_and_last_five_rollouts_and_the_ties_of_each(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "grpo" / "kl-0.05"
+    log_points(run, "rollout/reward", [0.1, 0.1, 0.1, 0.1, 0.1, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9])
+    log_points(run, "rollout/kl", [1.0] * 7 + [3.0] * 5)
+    log_points(run, "rollout/frac_reward_zero_std", [0.5, 0.5, 0.25, 0.25, 0.0, 0.0, 0.25, 0.25, 0.0, 0.0, 0.0, 1.0])
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    plots.rl_table()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| GRPO")]
+    assert rows == ["| GRPO, KL 0.05 | 12 | 10.0% | 90.0% | 3.0 | 25% |"]
+
+
+def test_the_seeds_mean_is_over_the_seeds_at_the_steps_they_all_have():
+    series = [([1, 2, 3], [1.0, 2.0, 3.0]), ([1, 2], [3.0, 4.0]), ([1, 2, 3], [5.0, 6.0, 7.0])]  # one stopped early
+    assert plots.seeds_mean(series) == ([1, 2], [3.0, 4.0])
+
+
+def test_with_its_seeds_finds_every_seed_s_run(tmp_path, monkeypatch):
+    for name in ("kl-0", "kl-0-seed-2", "kl-0-seed-3", "kl-0-seed-4"):
+        (tmp_path / "grpo" / name).mkdir(parents=True)
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    assert plots.with_its_seeds("grpo/kl-0", 3) == ["grpo/kl-0", "grpo/kl-0-seed-2", "grpo/kl-0-seed-3"]
+
+
+def test_a_panel_draws_each_seed_thin_and_their_mean_on_top(tmp_path, monkeypatch):
+    for name, values in (("dpo", [1.0, 2.0, 3.0]), ("dpo-seed-2", [3.0, 4.0])):
+        log_points(tmp_path / name, "dpo/margin", values)
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda figure, file: figures.append(figure))
+    plots.panels("x.png", "t", [("margin", "dpo/margin", "step")], [("DPO", "C0", ["dpo", "dpo-seed-2"])])
+    lines = figures[0].axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[1.0, 2.0, 3.0], [3.0, 4.0], [2.0, 3.0]]
+    assert lines[-1].get_label() == "DPO, mean of 2 seeds"
+    matplotlib.pyplot.close(figures[0])
+
+
+def test_a_figure_drawn_only_when_named_is_drawn_when_named(tmp_path, monkeypatch):
+    log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/reward", [0.2, 0.3])
+    log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/kl", [1.0, 2.0])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", "rl-step-11-reward.png"])
+    plots.main()
+    assert [path.name for path in (tmp_path / "img").iterdir()] == ["rl-step-11-reward.png"]

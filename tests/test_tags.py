@@ -120,3 +120,42 @@ def test_a_table_out_of_shape_is_refused_in_one_line(tmp_path, text, error):
     table.write_text(text, encoding="utf-8")
     with pytest.raises(SystemExit, match=f"^{error}$"):
         tags.read_steps(table)
+
+
+def commit(folder, message):
+    git(folder, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+        "commit", "--quiet", "--allow-empty", "-m", message)
+
+
+def test_a_row_without_a_subject_is_refused(tmp_path):
+    table = tmp_path / "steps.tsv"
+    table.write_text("tag\tcommit subject\nep1-1-a\t\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="^steps.tsv, line 2: expected a tag, a tab and a commit subject$"):
+        tags.read_steps(table)
+
+
+@needs_git
+def test_a_commit_on_another_branch_is_not_found(tmp_path, monkeypatch):
+    git(tmp_path, "init", "--quiet", "-b", "main")
+    commit(tmp_path, "Episode 1, step 1: here")
+    git(tmp_path, "checkout", "--quiet", "-b", "other")
+    commit(tmp_path, "Episode 1, step 2: elsewhere")
+    git(tmp_path, "checkout", "--quiet", "main")
+    monkeypatch.setattr(tags, "ROOT", tmp_path)
+    commits, errors = tags.find_commits([("ep1-1-here", "Episode 1, step 1: here"),
+                                         ("ep1-2-elsewhere", "Episode 1, step 2: elsewhere")])
+    assert list(commits) == ["ep1-1-here"]
+    assert errors == ["ep1-2-elsewhere: no commit on this branch with the subject 'Episode 1, step 2: elsewhere'"]
+
+
+@needs_git
+def test_a_row_in_doubt_leaves_no_tag_at_all(tmp_path):
+    # A repository of two steps, the second's commit missing: tags.py makes neither tag.
+    git(tmp_path, "init", "--quiet", "-b", "main")
+    shutil.copy(tags.ROOT / "tags.py", tmp_path / "tags.py")
+    (tmp_path / "steps.tsv").write_text("tag\tcommit subject\nep1-1-a\tEpisode 1, step 1: a\n"
+                                        "ep1-2-b\tEpisode 1, step 2: never committed\n", encoding="utf-8")
+    commit(tmp_path, "Episode 1, step 1: a")
+    made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert made.returncode != 0 and "ep1-2-b: no commit" in made.stderr
+    assert git(tmp_path, "tag", "--list") == ""
