@@ -278,7 +278,7 @@ def test_each_run_seed_and_rank_draw_their_own_seed(monkeypatch):
     for rank in range(4):
         monkeypatch.setattr(distributed, "rank", lambda: rank)
         seeds |= {distributed.seed(number) for number in range(4)}
-    assert len(seeds) == 16  # no two (run seed, rank) alike: seed 5's rank 1 is not seed 6's rank 0
+    assert len(seeds) == 16  # no two (run seed, rank) alike: seed 0's rank 1 is not seed 1's rank 0
 
 
 def exchange(rank, world, folder):

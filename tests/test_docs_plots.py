@@ -1,5 +1,7 @@
 """docs/plots.py draws the docs' figures from the logs under runs/ and prints the table of the
-RL runs: the table's means are over the rollouts a run has, and a figure is written whole."""
+RL runs: the table's means are over the rollouts a run has (its first and last five), a
+panel draws each seed's run thin and the seeds' mean over the steps they all have on top, a
+figure drawn only when named is drawn when named, and a figure is written whole."""
 import sys
 from pathlib import Path
 
@@ -43,7 +45,8 @@ def test_a_figure_is_written_whole_or_the_one_before_stays(tmp_path, monkeypatch
     assert (tmp_path / "curve.png").read_bytes() == drawn
 
 
-def test_the_rl_table_takes_the_first_and_last_five_rollouts_and_the_ties_of_each(tmp_path, monkeypatch, capsys):
+def test_the_rl_table_takes_the_first_and_last_five_rollouts_and_the_mean_share_of_tied_groups(tmp_path, monkeypatch,
+                                                                                           capsys):
     run = tmp_path / "grpo" / "kl-0.05"
     log_points(run, "rollout/reward", [0.1, 0.1, 0.1, 0.1, 0.1, 0.5, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9])
     log_points(run, "rollout/kl", [1.0] * 7 + [3.0] * 5)
@@ -75,6 +78,7 @@ def test_a_panel_draws_each_seed_thin_and_their_mean_on_top(tmp_path, monkeypatc
     plots.panels("x.png", "t", [("margin", "dpo/margin", "step")], [("DPO", "C0", ["dpo", "dpo-seed-2"])])
     lines = figures[0].axes[0].get_lines()
     assert [list(line.get_ydata()) for line in lines] == [[1.0, 2.0, 3.0], [3.0, 4.0], [2.0, 3.0]]
+    assert [line.get_linewidth() for line in lines] == [0.8, 0.8, 1.6]  # each seed thin, their mean on top
     assert lines[-1].get_label() == "DPO, mean of 2 seeds"
     matplotlib.pyplot.close(figures[0])
 
@@ -82,7 +86,6 @@ def test_a_panel_draws_each_seed_thin_and_their_mean_on_top(tmp_path, monkeypatc
 def test_a_figure_drawn_only_when_named_is_drawn_when_named(tmp_path, monkeypatch):
     log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/reward", [0.2, 0.3])
     log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/kl", [1.0, 2.0])
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
     monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
     monkeypatch.setattr(sys, "argv", ["plots.py", "rl-step-11-reward.png"])

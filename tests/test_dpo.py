@@ -100,13 +100,18 @@ def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys, mo
     assert "step 0: the held-out stories use" in out and "step 2: loss" in out
 
 
-def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, run_main, monkeypatch):
+def eight_pairs_of_one_story(run_main):
+    """data/preferences.json with eight pairs, each asking for other words: the tests' tiny
+    model makes a pair or two, and the first is copied under eight instructions."""
     run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
-    # The tests' tiny model makes a pair or two: eight, each asking for other words, so an order shows.
     saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))
     words = ["cat", "dog", "sun", "tree", "ball", "cake", "rain", "jump", "park", "boat"]
     saved["pairs"] = [dict(saved["pairs"][0], instruction=instruction(words[i:i + 3])) for i in range(8)]
     preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+
+
+def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, run_main, monkeypatch):
+    eight_pairs_of_one_story(run_main)
     first_batches, real_pair_batch = [], dpo.pair_batch
     monkeypatch.setattr(dpo, "pair_batch", lambda pairs, *args: first_batches.append(
         [(p["instruction"], p["chosen_tokens"], p["rejected_tokens"]) for p in pairs]) or real_pair_batch(pairs, *args))
@@ -141,11 +146,7 @@ def test_the_reference_stays_the_fine_tuned_model_and_the_first_step_logs_log_2(
     seen, real_pair_losses = [], dpo.pair_losses
     monkeypatch.setattr(dpo, "pair_losses", lambda policy, reference, *args: seen.append((policy, reference))
                         or real_pair_losses(policy, reference, *args))
-    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
-    saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))  # eight pairs, from the first
-    words = ["cat", "dog", "sun", "tree", "ball", "cake", "rain", "jump", "park", "boat"]
-    saved["pairs"] = [dict(saved["pairs"][0], instruction=instruction(words[i:i + 3])) for i in range(8)]
-    preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+    eight_pairs_of_one_story(run_main)
     capsys.readouterr()
     run_main(dpo, "--steps", "2", "--precision", "fp32", "--device", "cpu")
     (policy, reference), _ = seen

@@ -14,7 +14,6 @@ from data import LOWERCASE_WORD, SEED, instruction
 from files import read_instructions, read_words
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt, load_tokenizer
-from train import learning_rate
 
 
 def test_only_the_story_and_its_end_are_targets():
@@ -209,10 +208,11 @@ def test_the_held_back_instructions_are_never_trained_on():
     training, held = finetune.split_held_back(instructions)
     assert len(held) == finetune.HELD_BACK and not set(training) & set(held)
     assert sorted(training + held) == instructions
+    assert finetune.split_held_back(instructions) == (training, held)  # the same for every run
 
 
 def test_every_plain_window_is_a_whole_context_even_at_the_end_of_the_tokens():
-    tokens = np.arange(finetune.MAX_LENGTH + 3, dtype=np.uint16)  # room for two windows' starts only
+    tokens = np.arange(finetune.MAX_LENGTH + 3, dtype=np.uint16)  # a start past 2 would cut a window short
     windows = finetune.plain_windows(tokens, np.random.default_rng(0), 200)
     assert all(len(window) == finetune.MAX_LENGTH + 1 for window, _ in windows)
 
@@ -248,18 +248,25 @@ def test_the_run_s_levers_reach_its_steps(workspace, tmp_path, monkeypatch):
     model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
     save_checkpoint(tmp_path / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
     lrs, asked, real_ask = [], [], finetune.ask_anew
-    monkeypatch.setattr(finetune, "train_step", lambda model, optimizer, x, y, device, precision, lr, *a: lrs.append(lr) or 0.0)
-    monkeypatch.setattr(finetune, "ask_anew", lambda story, askable, seed, *args: asked.append(
-        (story, seed, real_ask(story, askable, seed, *args)["words"])) or real_ask(story, askable, seed, *args))
+
+    def ask_anew(story, askable, seed, *args):
+        example = real_ask(story, askable, seed, *args)
+        asked.append((story, seed, example["words"]))
+        return example
+
+    monkeypatch.setattr(finetune, "train_step",
+                        lambda model, optimizer, x, y, device, precision, lr, *rest: lrs.append(lr) or 0.0)
+    monkeypatch.setattr(finetune, "ask_anew", ask_anew)
     monkeypatch.setattr(finetune, "instruction_loss", lambda *args: 0.0)
     monkeypatch.setattr(finetune, "valid_loss", lambda *args: 0.0)
     monkeypatch.setattr(finetune, "demo_story", lambda *args, **kwargs: "")
     stories = len(finetune.read_instructions(tmp_path / "data" / "instructions.jsonl")) - finetune.HELD_BACK
-    steps = 2 * stories // 10 + 2  # over two passes, ten instructions a step
+    instructions_a_step = round(finetune.BATCH * (1 - finetune.PLAIN_SHARE))  # the rest are plain stories
+    steps = 2 * stories // instructions_a_step + 2  # over two passes and more
     monkeypatch.setattr(sys, "argv", ["finetune.py", "--steps", str(steps), "--lr", "3e-4", "--words", "4",
-                                      "--device", "cpu"])
+                                      "--device", "cpu", "--precision", "fp32"])
     finetune.main()
-    assert lrs[0] == pytest.approx(learning_rate(0, 0.0, 3e-4, finetune.MIN_LR, finetune.WARMUP))
+    assert lrs[0] == pytest.approx(train.learning_rate(0, 0.0, 3e-4, finetune.MIN_LR, finetune.WARMUP))
     assert all(len(words) <= 4 for _, _, words in asked) and any(len(words) == 4 for _, _, words in asked)
     assert len({(story, seed) for story, seed, _ in asked}) == len(asked)  # no story asked twice with one seed
     assert read_checkpoint(tmp_path / "checkpoints" / "finetune-lr-0.0003-words-4")["made_by"]["step"] == steps

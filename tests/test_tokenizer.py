@@ -1,8 +1,8 @@
 import json
 import random
 from collections import Counter
-import numpy as np
 
+import numpy as np
 import pytest
 
 import tokenizer as bpe
