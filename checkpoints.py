@@ -19,6 +19,7 @@ RUNS = Path("runs")
 # The command that makes each folder of checkpoints, for the error when one is missing.
 MADE_BY = {"pretrain": "python train.py", "finetune": "python finetune.py", "dpo": "python dpo.py",
            "ppo": "python ppo.py", "grpo": "python grpo.py"}
+NAMED_BY_OPTIONS = ("finetune", "dpo")  # the scripts whose run folders add the options they differ by
 # The kinds of constant a run's settings record: exactly these (a numpy number is a float too,
 # but a checkpoint holding one would not load with weights_only=True).
 SETTING = (bool, int, float, str)
@@ -92,7 +93,7 @@ def made_with(file):
     folders = file.parts[:-1]
     script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else ""
     script, _, options = script_folder.partition("-")
-    if script not in MADE_BY or (options and script not in ("finetune", "dpo")):
+    if script not in MADE_BY or (options and script not in NAMED_BY_OPTIONS):
         return "the script that writes it"
     return MADE_BY[script] + (f" with the options its folder's name gives ({script_folder})" if options else "")
 

@@ -66,7 +66,7 @@ VIDEO = """| model | words used | loss on plain stories | stories that end withi
 | GRPO, KL 0.05 (32 rollouts) | 50% | 2.46 | 42% | about 14 |
 | GRPO, KL 0 (36 rollouts) | 58% | 2.56 | 8% | about 44 |"""
 # Enough for each script to take some steps and save its model: the whole path works, though
-# the models learn little. The loss on plain stories on 128 windows of them, not evaluate.py's 512.
+# the models learn little. The loss on plain stories on 128 windows of them, not evaluate.py's default.
 QUICK = {"pretrain": ["--minutes", "3"], "finetune": ["--minutes", "1.5"], "dpo": ["--minutes", "1"],
          "ppo": ["--minutes", "1"], "grpo": ["--minutes", "1"], "grpo-kl-0": ["--minutes", "1"],
          "instructions": 64, "valid_windows": 128}

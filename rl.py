@@ -119,7 +119,11 @@ def resume(folder, policy, optimizer, rng, tokenizer):
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; "
                          "start the run without --resume")
     policy.load_state_dict(resumed.state_dict())
+    # And what only a rollout checkpoint holds: the optimizer and the random states.
     checkpoint = read_checkpoint(saved[-1])
+    if not {"optimizer", "numpy_random", "torch_random"} <= checkpoint.keys():
+        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); "
+                         "start the run without --resume")
     optimizer.load_state_dict(checkpoint["optimizer"])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])

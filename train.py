@@ -15,8 +15,8 @@ than the warmup's). With --steps, the decay follows the steps instead, so that a
 makes the same model, a faster one sooner, and the minutes are only a cap. With --resume it
 goes on from its last checkpoint, on the schedule it started with (its --minutes and
 --steps, and the minutes already trained), drawing the windows, and in one process on a CPU
-the dropout masks, that it would have drawn had it not stopped: with --steps, a run stopped
-and resumed makes the model it would have made.
+the dropout masks, that it would have drawn had it not stopped: with --steps, in one process
+on a CPU, a run stopped and resumed makes the model it would have made.
 
 Under torchrun (several GPUs, or several processes on the CPU; distributed.py, which a learner
 may skip) each process takes its own rows of each batch and DDP averages their gradients, so
@@ -123,7 +123,7 @@ def resume_draws(checkpoint, rng, step):
     torchrun each process keeps its own dropout seed; a GPU's masks come from the GPU's
     generator, which the checkpoint does not keep.) A checkpoint without them draws new
     windows, from the step."""
-    if "numpy_random" not in checkpoint:
+    if not {"numpy_random", "torch_random"} <= checkpoint.keys():
         rng.bit_generator.state = np.random.default_rng(SEED + step).bit_generator.state
         return
     rng.bit_generator.state = checkpoint["numpy_random"]

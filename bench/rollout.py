@@ -175,7 +175,7 @@ def main():
     runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    memory = peak_memory_mb(device)  # the rollouts', before the peak's and the memory's own measurements
+    memory = peak_memory_mb(device)  # the rollouts' own: the peak's and the bandwidth's buffers below would raise it
     total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
     peak = matmul_peak(device, DTYPES[precision])
     # A forward pass is a third of a training step's work (forward, and backward twice as much).

@@ -7,7 +7,7 @@ import torch
 import grpo
 import ppo
 import rl
-from checkpoints import load_checkpoint
+from checkpoints import load_checkpoint, save_checkpoint
 from model import TINY, GPT, Config
 
 
@@ -70,6 +70,10 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
                     rng, settings)
     with pytest.raises(SystemExit, match="another shape"):
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
+    # A final model copied in under a rollout's name: no optimizer, no random state.
+    save_checkpoint(tmp_path / "a-model" / "rollout-3.pt", policy, workspace_tokenizer, {"script": "grpo.py"})
+    with pytest.raises(SystemExit, match="is not a rollout checkpoint"):
+        rl.resume(tmp_path / "a-model", policy, optimizer, rng, workspace_tokenizer)
 
 
 def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
