@@ -102,7 +102,12 @@ def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
     """The model in a checkpoint, on `device`; with a tokenizer, refuses a model trained with
     another one (its tokens would mean other things), and any model whose context is not the
     series' (pretraining's windows, fine-tuning's examples and evaluation all take 256 tokens)."""
-    checkpoint = read_checkpoint(path)
+    return model_from(read_checkpoint(path), path, device, tokenizer, quiet)
+
+
+def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False):
+    """load_checkpoint's model from a checkpoint read_checkpoint(path) has read already, for a
+    script that needs more of the file than the model: the file is read once."""
     file = checkpoint_file(path)
     if tokenizer is not None and checkpoint["tokenizer"] != tokenizer.fingerprint():
         raise SystemExit(f"{file} was trained with another tokenizer than data/tokenizer.json; "

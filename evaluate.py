@@ -39,7 +39,7 @@ import os
 import re
 from pathlib import Path
 
-from checkpoints import RUNS, load_checkpoint, read_checkpoint
+from checkpoints import RUNS, model_from, read_checkpoint
 from data import HELDOUT, WORD, read_heldout
 from devices import pick_device
 from files import atomic
@@ -187,10 +187,11 @@ def main():
     valid_tokens = load_tokens("valid")
     rows = []
     for path in args.models:
-        model = load_checkpoint(path, device, tokenizer).eval()
+        checkpoint = read_checkpoint(path)
+        model = model_from(checkpoint, path, device, tokenizer).eval()
         name = model_name(path)
         # What made the model (its script, steps or rollouts, settings) goes with its figures.
-        made_by = read_checkpoint(path)["made_by"]
+        made_by = checkpoint["made_by"]
         result = {"model": name, "checkpoint": str(path), "seeds": args.seeds, "valid_windows": args.valid_windows,
                   "made_by": made_by,
                   **measure(model, tokenizer, instructions, valid_tokens, device, args.seeds, args.valid_windows)}

@@ -16,7 +16,7 @@ import time
 import torch
 
 import distributed
-from checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
+from checkpoints import model_from, read_checkpoint, save_checkpoint
 from data import SEED
 
 EVAL_EVERY = 10  # rollouts
@@ -112,15 +112,19 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
-    # The weights as load_checkpoint gives them: refused in one line if another tokenizer made
-    # them or they don't fit their config; and they must fit the model the run starts from.
-    resumed = load_checkpoint(saved[-1], tokenizer=tokenizer, quiet=True)
+    checkpoint = read_checkpoint(saved[-1])
+    # The weights, refused in one line if another tokenizer made them (the model this run
+    # starts from was made with this one), if they don't fit their config, or if they don't
+    # fit the model the run starts from.
+    if checkpoint["tokenizer"] != tokenizer.fingerprint():
+        raise SystemExit(f"{saved[-1]} was trained with another tokenizer than data/tokenizer.json; "
+                         "start the run without --resume")
+    resumed = model_from(checkpoint, saved[-1], quiet=True)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; "
                          "start the run without --resume")
     policy.load_state_dict(resumed.state_dict())
     # And what only a rollout checkpoint holds: the optimizer and the random states.
-    checkpoint = read_checkpoint(saved[-1])
     if not {"optimizer", "numpy_random", "torch_random"} <= checkpoint.keys():
         raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); "
                          "start the run without --resume")

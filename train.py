@@ -39,7 +39,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, read_checkpoint, run_settings, save_checkpoint
+from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, save_checkpoint
 from data import SEED
 from devices import autocast, default_precision
 from files import DATA, check_made, check_writable
@@ -241,9 +241,9 @@ def main():
     step, elapsed = 0, 0.0
     rng = np.random.default_rng(SEED)  # the windows' draws
     if args.resume:
-        model = load_checkpoint(folder, device, tokenizer)
-        optimizer = make_optimizer(model)
         checkpoint = read_checkpoint(folder)
+        model = model_from(checkpoint, folder, device, tokenizer)
+        optimizer = make_optimizer(model)
         if "optimizer" not in checkpoint:
             raise SystemExit(f"{folder} holds no optimizer state to resume from")
         optimizer.load_state_dict(checkpoint["optimizer"])

@@ -177,7 +177,10 @@ def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, ca
     monkeypatch.setattr(evaluate, "write_stories", written)
     monkeypatch.chdir(workspace)
     monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--seeds", "2", "--device", "cpu"])
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))
     evaluate.main()
+    assert len(loads) == 1  # the checkpoint, read once for its model and what made it
     out = capsys.readouterr().out
     saved = json.loads((workspace / "runs" / "evaluate" / "finetune.json").read_text())
     assert saved["words_used_by_seed"] == pytest.approx([1 / 3, 10 / 50])

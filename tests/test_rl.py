@@ -56,6 +56,16 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
     assert first[:2 * steps_a_rollout] + then == whole
 
 
+def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer, tmp_path, monkeypatch):
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
+    rl.save_rollout(tmp_path / "run", 2, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))
+    assert rl.resume(tmp_path / "run", policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
+    assert len(loads) == 1
+
+
 def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(workspace, workspace_tokenizer,
                                                                           small_tokenizer, tmp_path):
     policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
@@ -63,7 +73,7 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
     rng = np.random.default_rng(0)
     settings = {"script": "grpo.py"}
     rl.save_rollout(tmp_path / "other-tokenizer", 2, 0.0, policy, small_tokenizer, optimizer, rng, settings)
-    with pytest.raises(SystemExit, match="another tokenizer"):
+    with pytest.raises(SystemExit, match="another tokenizer .*; start the run without --resume"):
         rl.resume(tmp_path / "other-tokenizer", policy, optimizer, rng, workspace_tokenizer)
     wider = GPT(Config(vocab_size=policy.config.vocab_size, **{**TINY, "n_embd": 2 * TINY["n_embd"]}))
     rl.save_rollout(tmp_path / "other-shape", 2, 0.0, wider, workspace_tokenizer, torch.optim.AdamW(wider.parameters()),

@@ -190,7 +190,10 @@ def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(
     straight = run(tmp_path / "straight")
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "stopped", stop_after_step=2)
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))
     resumed = run(tmp_path / "stopped", "--resume")
+    assert len(loads) == 2  # the checkpoint read once to resume from, and the final one once by run()
     assert resumed["made_by"]["step"] == straight["made_by"]["step"] == 4
     assert straight["config"]["dropout"] > 0
     for name, weights in straight["model"].items():
