@@ -4,8 +4,8 @@ Episode 5, evaluation: how well does a model do what it is asked, and what does 
 For each model given on the command line (a checkpoint folder, for the final model in it,
 or a checkpoint file), three figures:
 
-- words used: a story for each of the 50 held-out instructions (data/heldout.json, never
-  seen in training), at temperature 1 as in the RL episodes, with a fixed seed; the share
+- words used: a story for each of the 50 held-out instructions (heldout.json, beside the
+  scripts; never seen in training), at temperature 1 as in the RL episodes, with a fixed seed; the share
   of the 150 requested words that the stories use. This is the reward of the RL episodes.
 - loss on plain stories: the next-token loss on VALID_WINDOWS (512) windows of 256 tokens
   spread evenly over data/valid.bin, the same windows every time, in float32, so the figure

@@ -131,8 +131,9 @@ def main():
     settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}
     with atomic(PAIRS) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")
-    rewards = [p["chosen_reward"] - p["rejected_reward"] for p in pairs]
-    print(f"{len(pairs)} pairs in {PAIRS}; the chosen story uses {np.mean(rewards):.0%} more of the words on average")
+    chosen, rejected = (np.mean([p[f"{side}_reward"] for p in pairs]) for side in ("chosen", "rejected"))
+    print(f"{len(pairs)} pairs in {PAIRS}; the chosen stories use {chosen:.0%} of their words on average, "
+          f"the rejected {rejected:.0%}")
 
 
 if __name__ == "__main__":

@@ -59,12 +59,16 @@ def test_a_pair_keeps_the_tokens_as_written_not_encoded_again(workspace_tokenize
     assert pair["chosen"] == " a the<|endoftext|>"
 
 
-def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_tokenizer, run_main):
+def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_tokenizer, run_main, capsys):
     run_main(preferences, "--instructions", "16", "--stories", "3")
     pairs, settings = preferences.load_pairs(workspace / "data" / "preferences.json")
     assert settings["instructions"] == 16 and settings["stories"] == 3
     assert 0 < len(pairs) <= 16
     assert all(workspace_tokenizer.decode(p[f"{side}_tokens"]) == p[side] for p in pairs for side in ("chosen", "rejected"))
+    # The last line: each side's share of its words, on average over the pairs.
+    chosen, rejected = (sum(p[f"{side}_reward"] for p in pairs) / len(pairs) for side in ("chosen", "rejected"))
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        f"the chosen stories use {chosen:.0%} of their words on average, the rejected {rejected:.0%}")
 
 
 def test_no_pairs_leave_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
