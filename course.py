@@ -198,8 +198,9 @@ def left_off(step, record):
     """The minutes an interrupted run of the step had spent up to its last checkpoint, if it
     can go on from it (--resume), else None. Only a run of the same command goes on, on any
     device (one begun by --quick would keep its small budget), and only a checkpoint saved
-    since the course first started the step counts: an older one belongs to another run. A
-    sitting that saved none adds no minutes: the next goes on from the checkpoint before it."""
+    since the course first started the step, and since the model it is made from was made,
+    counts: an older one belongs to another run. A sitting that saved none adds no minutes:
+    the next goes on from the checkpoint before it."""
     made = record.get(step.name)
     if not step.resumes_from or not made or made["minutes"] is not None:
         return None
@@ -208,6 +209,8 @@ def left_off(step, record):
     saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
     if not saved or max(saved) < made.get("first_started", made["started"]):
         return None
+    if step.made_from and step.made_from.exists() and max(saved) < step.made_from.stat().st_mtime:
+        return None  # what the step is made from was made again since: the run would mix two models
     return made.get("before", 0.0) + max(0.0, max(saved) - made["started"]) / 60
 
 

@@ -203,6 +203,15 @@ def test_a_step_the_course_saw_interrupted_runs_again(learner, monkeypatch):
     assert [c[0] for c in scripts.commands[:3]] == ["finetune.py", "evaluate.py", "preferences.py"]
 
 
+def made_an_hour_ago(learner, *outputs):
+    """Earlier steps' outputs, made before the interrupted step began (course.py goes on with
+    a step only from checkpoints saved since what it is made from was made)."""
+    for output in outputs:
+        (learner / output).parent.mkdir(parents=True, exist_ok=True)
+        (learner / output).write_bytes(b"made")
+        age(learner / output)
+
+
 def a_sitting_ten_minutes_before_the_last_checkpoint(learner, name):
     record = json.loads((learner / course.RECORD).read_text())
     record[name]["started"] -= 600
@@ -255,9 +264,24 @@ def test_a_step_interrupted_under_another_command_starts_over_and_on_another_dev
     assert scripts.commands[0] == ["train.py", "--steps", "2322", "--minutes", "360", "--resume"]
 
 
+def test_an_interrupted_step_starts_over_once_the_model_it_is_made_from_is_made_again(learner, monkeypatch):
+    # PPO interrupted after its rollout-10 checkpoint; then fine-tuning is trained once more,
+    # by hand: going on would train the old fine-tuned model's policy against the new reference.
+    Scripts(monkeypatch, fail_at="ppo.py", failure=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    age_everything(learner)
+    (learner / "checkpoints" / "finetune" / "model.pt").touch()
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["ppo.py", "--minutes", "1", "--kl", "0.05"] in scripts.commands
+    assert not any("--resume" in command for command in scripts.commands)
+
+
 def test_a_sitting_that_saved_nothing_goes_on_from_the_checkpoint_before_it(learner, monkeypatch):
     # The first sitting saved a checkpoint 10 minutes in; the second went on from it and was
     # interrupted before it saved another.
+    made_an_hour_ago(learner, "data/valid.bin")
     now = time.time()
     (learner / "checkpoints" / "pretrain").mkdir(parents=True)
     (learner / "checkpoints" / "pretrain" / "model.pt").write_bytes(b"the first sitting's")
@@ -373,6 +397,7 @@ def test_the_report_gives_each_model_s_words_used_as_the_mean_over_its_held_out_
 
 
 def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_on(learner, monkeypatch):
+    made_an_hour_ago(learner, "data/valid.bin", "checkpoints/pretrain/model.pt", "checkpoints/finetune/model.pt")
     now = time.time()
     folder = learner / "checkpoints" / "grpo" / "kl-0.05"
     folder.mkdir(parents=True)
