@@ -51,10 +51,22 @@ def default_precision(device):
     than fp32 (the series' AMD EPYC: about 2.1 times; many laptops' CPUs: slower); fp32
     elsewhere, Apple's MPS included. --precision overrides it."""
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        # From compute capability 8 (NVIDIA's Ampere) a GPU multiplies bf16 itself; older ones
+        # (a T4, a V100) emulate it, slower than fp32, though torch.cuda.is_bf16_supported()
+        # says yes for them. AMD's GPUs (ROCm) have it.
+        return "bf16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
         return "bf16" if bf16_speedup_on_cpu() > 1.5 else "fp32"
     return "fp32"
+
+
+def resumed_precision(settings, device):
+    """The precision a run's settings record, for the run going on on a device of the kind it
+    started on, so that it makes the model it would have made; on another kind (or for a run
+    that recorded neither), picked anew."""
+    if "precision" in settings and torch.device(settings.get("device", "meta")).type == device.type:
+        return settings["precision"]
+    return default_precision(device)
 
 
 def bf16_speedup_on_cpu(size=512, repeats=4, rounds=5):

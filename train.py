@@ -41,7 +41,7 @@ from torch.utils.tensorboard import SummaryWriter
 import distributed
 from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, save_checkpoint
 from data import SEED
-from devices import autocast, default_precision
+from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable
 from model import GPT, Config
 from tokenizer import encode_prompt, load_tokenizer
@@ -231,7 +231,6 @@ def main():
     device = distributed.setup(args.device, BATCH, "windows of a batch")
     folder = CHECKPOINTS / "pretrain"
     check_writable(folder, RUNS / "pretrain")  # now, not when the first checkpoint is saved
-    precision = args.precision or default_precision(device)
     tokenizer = load_tokenizer()
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
 
@@ -256,9 +255,13 @@ def main():
             print(f"a resumed run keeps its schedule, {schedule[0]:g} minutes and {limit}: "
                   "the --minutes and --steps of this command are not used")
         args.minutes, args.steps = schedule
+        # And its precision, on a device of the kind it started on: picked again, the CPU's
+        # timing could choose the other one and train another model.
+        precision = args.precision or resumed_precision(made_by["settings"], device)
         print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
         resume_draws(checkpoint, rng, step)
     else:
+        precision = args.precision or default_precision(device)
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
         optimizer = make_optimizer(model)
         print(f"model: {model.parameter_count() / 1e6:.2f}M parameters")

@@ -47,9 +47,13 @@ def test_the_gpu_is_picked_when_there_is_one(monkeypatch):
     assert devices.pick_device() == torch.device("mps")
 
 
-@pytest.mark.parametrize("supported, precision", [(True, "bf16"), (False, "fp32")])
-def test_a_cuda_gpu_gets_bf16_where_it_has_it(monkeypatch, supported, precision):
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+@pytest.mark.parametrize("capability, precision", [((7, 5), "fp32"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_a_cuda_gpu_gets_bf16_where_it_multiplies_it_itself(monkeypatch, capability, precision):
+    # A T4 (7.5) only emulates bf16, though torch's is_bf16_supported() says yes, as it does
+    # for any CUDA GPU that can make a bf16 tensor.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.version, "hip", None)
     assert devices.default_precision(torch.device("cuda")) == precision
 
 
@@ -57,6 +61,14 @@ def test_a_cuda_gpu_gets_bf16_where_it_has_it(monkeypatch, supported, precision)
 def test_a_cpu_gets_bf16_only_where_it_is_clearly_faster(monkeypatch, speedup, precision):
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: speedup)
     assert devices.default_precision(torch.device("cpu")) == precision
+
+
+def test_a_resumed_run_keeps_its_precision_on_the_kind_of_device_it_started_on(monkeypatch):
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)  # this CPU would pick fp32
+    cpu = torch.device("cpu")
+    assert devices.resumed_precision({"device": "cpu", "precision": "bf16"}, cpu) == "bf16"
+    assert devices.resumed_precision({"device": "cuda:0", "precision": "bf16"}, cpu) == "fp32"
+    assert devices.resumed_precision({"device": "cpu"}, cpu) == "fp32"  # a run that recorded none
 
 
 def test_autocast_multiplies_in_bf16_only_when_asked():

@@ -164,10 +164,10 @@ def test_a_checkpoint_s_seconds_count_the_step_it_saves(workspace, tmp_path, mon
     assert saved == [(5, 50.0), (7, 70.0)]
 
 
-def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(workspace, tmp_path, monkeypatch):
-    # The tests' tiny model with dropout, 4 steps, a checkpoint every 2: one run straight
-    # through, one stopped right after its step-2 checkpoint and resumed. Both draw the same
-    # windows and dropout masks, so both end on the same weights, to the bit.
+def four_steps_of_pretraining(workspace, monkeypatch):
+    """A run of train.py in a folder: the tests' tiny model, 4 steps, a checkpoint every 2,
+    stopped (KeyboardInterrupt) right after the checkpoint of stop_after_step; it returns the
+    final checkpoint."""
     launch.patch(monkeypatch.setattr, {})
     monkeypatch.setattr(train, "Config", lambda vocab_size: Config(vocab_size=vocab_size, **TINY))
     monkeypatch.setattr(train, "EVAL_EVERY", 2)
@@ -183,18 +183,36 @@ def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(
                 raise KeyboardInterrupt
 
         monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
-        monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "4", *CPU_FP32, *args])
+        monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "4", *args])
         train.main()
         return torch.load(folder / "checkpoints" / "pretrain" / "model.pt", weights_only=True)
 
-    straight = run(tmp_path / "straight")
+    return run
+
+
+def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(workspace, tmp_path, monkeypatch):
+    # One run straight through, one stopped right after its step-2 checkpoint and resumed, the
+    # tiny model with dropout. Both draw the same windows and dropout masks, so both end on
+    # the same weights, to the bit.
+    pretrain = four_steps_of_pretraining(workspace, monkeypatch)
+    straight = pretrain(tmp_path / "straight", *CPU_FP32)
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "stopped", stop_after_step=2)
+        pretrain(tmp_path / "stopped", *CPU_FP32, stop_after_step=2)
     loads, real_load = [], torch.load
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))
-    resumed = run(tmp_path / "stopped", "--resume")
-    assert len(loads) == 2  # the checkpoint read once to resume from, and the final one once by run()
+    resumed = pretrain(tmp_path / "stopped", *CPU_FP32, "--resume")
+    assert len(loads) == 2  # the checkpoint read once to resume from, and the final one once by pretrain()
     assert resumed["made_by"]["step"] == straight["made_by"]["step"] == 4
     assert straight["config"]["dropout"] > 0
     for name, weights in straight["model"].items():
         assert torch.equal(resumed["model"][name], weights), name
+
+
+def test_a_resumed_run_keeps_the_precision_it_started_with(workspace, tmp_path, monkeypatch):
+    pretrain = four_steps_of_pretraining(workspace, monkeypatch)
+    monkeypatch.setattr(train, "default_precision", lambda device: "bf16")
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(tmp_path, "--device", "cpu", stop_after_step=2)
+    # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
+    monkeypatch.setattr(train, "default_precision", lambda device: "fp32")
+    assert pretrain(tmp_path, "--device", "cpu", "--resume")["made_by"]["settings"]["precision"] == "bf16"
