@@ -320,7 +320,8 @@ def main():
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, pick_device(args.device), tokenizer)
     prompt = instruction(args.words) if args.words else args.prompt  # "" too: a story from nothing
-    room = model.config.context - len(encode_prompt(tokenizer, prompt))
+    # The last position's logits give the first token, so a prompt that fills the context still gets one.
+    room = model.config.context - len(encode_prompt(tokenizer, prompt)) + 1
     if room < 1:
         parser.error(f"the prompt is longer than the model's context of {model.config.context} tokens")
     print(prompt + write(model, tokenizer, prompt, min(args.tokens, room), args.temperature, args.top_k, args.seed))

@@ -216,12 +216,14 @@ def seeds_mean(series):
 def course_figures(files, seeds):
     """The course's figures, from its runs under runs/, `seeds` training seeds of each."""
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    if "course-training.png" in files and (RUNS / "pretrain").exists():
+    training = [(label, colours[i], [run]) for i, (label, run) in enumerate((("pretraining", "pretrain"),
+                                                                             ("fine-tuning", "finetune")))
+                if (RUNS / run).exists()]
+    if "course-training.png" in files and training:
         panels("course-training.png", "The course: pretraining, then fine-tuning",
                [("pretraining: loss on valid stories", "loss/valid", "step"),
                 ("fine-tuning: held-back instructions", "loss/instructions", "step"),
-                ("fine-tuning: plain valid stories", "loss/plain", "step")],
-               [("pretraining", colours[0], ["pretrain"]), ("fine-tuning", colours[1], ["finetune"])])
+                ("fine-tuning: plain valid stories", "loss/plain", "step")], training)
     dpo = with_its_seeds("dpo", seeds)
     if "course-dpo.png" in files and dpo:
         panels("course-dpo.png", "The course: DPO, each training seed and their mean",
@@ -268,8 +270,9 @@ def main():
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
     IMAGES.mkdir(exist_ok=True)
-    if args.course and set(files) - set(COURSE_FIGURES):
-        parser.error(f"--course draws {', '.join(COURSE_FIGURES)} only")
+    if (args.course or set(files) & set(COURSE_FIGURES)) and set(files) - set(COURSE_FIGURES):
+        parser.error(f"the course's figures ({', '.join(COURSE_FIGURES)}) are drawn apart from the others: "
+                     "name them in a command of their own")
     if args.course or set(files) & set(COURSE_FIGURES):
         course_figures(files or COURSE_FIGURES, args.seeds)
         return

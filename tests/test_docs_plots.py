@@ -91,3 +91,21 @@ def test_a_figure_drawn_only_when_named_is_drawn_when_named(tmp_path, monkeypatc
     monkeypatch.setattr(sys, "argv", ["plots.py", "rl-step-11-reward.png"])
     plots.main()
     assert [path.name for path in (tmp_path / "img").iterdir()] == ["rl-step-11-reward.png"]
+
+
+def test_the_course_s_training_figure_draws_pretraining_alone_when_fine_tuning_has_no_run(tmp_path, monkeypatch):
+    log_points(tmp_path / "pretrain", "loss/valid", [3.0, 2.5])
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    drawn = []
+    monkeypatch.setattr(plots, "panels", lambda file, title, panels_of, groups: drawn.append((file, groups)))
+    plots.course_figures(["course-training.png"], seeds=1)
+    assert [(file, [label for label, _, _ in groups]) for file, groups in drawn] == [
+        ("course-training.png", ["pretraining"])]
+
+
+def test_the_course_s_figures_named_with_others_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", "course-training.png", "rl-reward.png"])
+    with pytest.raises(SystemExit):
+        plots.main()
+    assert "name them in a command of their own" in capsys.readouterr().err

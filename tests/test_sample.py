@@ -89,6 +89,22 @@ def test_an_empty_prompt_is_written_after_as_given(run_main, monkeypatch):
     assert prompts == ["", "Once upon a time"]
 
 
+def test_a_prompt_that_fills_the_context_gets_one_token_and_a_longer_one_is_refused(workspace, workspace_tokenizer,
+                                                                                   run_main, monkeypatch, capsys):
+    # Prompts of 255, 256 and 257 tokens: "the" again and again, each " the" one token.
+    start = len(encode_prompt(workspace_tokenizer, "the"))
+    prompts = {length: "the" + " the" * (length - start) for length in (255, 256, 257)}
+    assert all(len(encode_prompt(workspace_tokenizer, p)) == length for length, p in prompts.items())
+    room = []
+    monkeypatch.setattr(sample, "write", lambda model, tokenizer, prompt, tokens, *args: room.append(tokens) or "")
+    for length in (255, 256):
+        run_main(sample, "--prompt", prompts[length], "--tokens", "5")
+    assert room == [2, 1]  # the context is 256 positions
+    with pytest.raises(SystemExit):
+        run_main(sample, "--prompt", prompts[257])
+    assert "longer than the model's context of 256 tokens" in capsys.readouterr().err
+
+
 def test_greedy_generation_with_the_cache_equals_recomputing_the_prefix():
     model = tiny_model()
     prompt = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(1))
