@@ -52,8 +52,8 @@ def default_precision(device):
     elsewhere, Apple's MPS included. --precision overrides it."""
     if device.type == "cuda":
         # From compute capability 8 (NVIDIA's Ampere) a GPU multiplies bf16 itself; older ones
-        # (a T4, a V100) emulate it, slower than fp32, though torch.cuda.is_bf16_supported()
-        # says yes for them. AMD's GPUs (ROCm) have it.
+        # (a T4, a V100) have no bf16 units and torch emulates them, though
+        # torch.cuda.is_bf16_supported() says yes for them. AMD's GPUs (ROCm) have them.
         return "bf16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
         return "bf16" if bf16_speedup_on_cpu() > 1.5 else "fp32"
