@@ -16,7 +16,7 @@ import time
 import torch
 
 import distributed
-from checkpoints import model_from, read_checkpoint, save_checkpoint
+from checkpoints import CHECKPOINTS, checkpoint_file, model_from, read_checkpoint, save_checkpoint
 from data import SEED
 
 EVAL_EVERY = 10  # rollouts
@@ -112,6 +112,12 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
+    # The reference the KL is measured from is the fine-tuned model as it is now: made again
+    # since, it is not the one the run started from.
+    reference = checkpoint_file(CHECKPOINTS / "finetune")
+    if reference.exists() and reference.stat().st_mtime > saved[-1].stat().st_mtime:
+        raise SystemExit(f"{reference} was made again after {saved[-1]} was saved, so the run would go on against "
+                         "another reference; start the run without --resume")
     checkpoint = read_checkpoint(saved[-1])
     # The weights, refused in one line if another tokenizer made them (the model this run
     # starts from was made with this one), if they don't fit their config, or if they don't

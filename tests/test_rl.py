@@ -1,3 +1,4 @@
+import os
 import shutil
 
 import numpy as np
@@ -64,6 +65,24 @@ def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(args) or real_load(*args, **kwargs))
     assert rl.resume(tmp_path / "run", policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
     assert len(loads) == 1
+
+
+def test_resume_refuses_a_run_whose_fine_tuned_model_was_made_again_since(workspace, workspace_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
+    save_checkpoint(tmp_path / "checkpoints" / "finetune", policy, workspace_tokenizer, {"script": "finetune.py"})
+    folder = tmp_path / "checkpoints" / "grpo" / "kl-0.05"
+    rl.save_rollout(folder, 2, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    # The files' times a second apart, as two saves in a row can share a clock tick.
+    fine_tuned, saved_at = tmp_path / "checkpoints" / "finetune" / "model.pt", (folder / "rollout-2.pt").stat().st_mtime
+    os.utime(fine_tuned, (saved_at - 1, saved_at - 1))
+    assert rl.resume(folder, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
+    # Fine-tuned again after the run's last checkpoint: its KL would be measured from another model.
+    os.utime(fine_tuned, (saved_at + 1, saved_at + 1))
+    with pytest.raises(SystemExit, match="was made again after .*; start the run without --resume"):
+        rl.resume(folder, policy, optimizer, rng, workspace_tokenizer)
 
 
 def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(workspace, workspace_tokenizer,
