@@ -90,10 +90,13 @@ def rollout(policy, tokenizer, asks, rng, seed):
     stories' tokens, and their rewards. A batch's 8 instructions differ; two batches of one
     length draw theirs apart, so an instruction can come back in a rollout."""
     device = next(policy.parameters()).device
-    # Eight different instructions of one length stack into a batch with no padding.
+    # Eight different instructions of one length stack into a batch with no padding. A length
+    # is drawn as often as it holds instructions, so that every instruction is as likely as
+    # any other (GRPO's draw): on the shared sample, 1,217 are 18 tokens long and 23 are 19.
     lengths = [length for length, group in asks.items() if len(group) >= PER_BATCH]
+    held = np.array([len(asks[length]) for length in lengths])
     batches = []
-    for length in rng.choice(lengths, BATCHES):
+    for length in rng.choice(lengths, BATCHES, p=held / held.sum()):
         batches.append([asks[length][i] for i in rng.choice(len(asks[length]), PER_BATCH, replace=False)])
     # Under torchrun, every process draws the same 16 batches and writes its own share of them.
     batches = batches[distributed.my_rows(BATCHES)]

@@ -1,6 +1,7 @@
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -230,6 +231,21 @@ def test_the_value_loss_is_the_mean_squared_error_over_the_story_tokens():
                for i in range(4) for t in range(9) if mask[i, t]]
     got = ppo.value_loss(values, rewards, mask)
     assert got.item() == pytest.approx(sum(by_hand) / sum(lengths), rel=1e-6)
+
+
+def test_a_rollout_draws_every_instruction_as_often_whatever_its_length(workspace_tokenizer, monkeypatch):
+    # 1,000 instructions of 18 tokens and 10 of 19, as the shared sample's 1,217 and 23: a
+    # batch of 19 tokens should come about once in a hundred, not once in two.
+    eot = workspace_tokenizer.eot
+    asks = {length: [([eot] * length, ["kite", "river", "brave"]) for _ in range(count)]
+            for length, count in ((18, 1000), (19, 10))}
+    monkeypatch.setattr(ppo, "generate", lambda policy, prompts, *args, **kwargs:
+                        [torch.cat([p, torch.full((len(p), 1), eot)], dim=1) for p in prompts])
+    rng = np.random.default_rng(0)
+    lengths = [len(prompt) for seed in range(20)
+               for prompt in ppo.rollout(torch.nn.Linear(1, 1), workspace_tokenizer, asks, rng, seed)[0]]
+    assert len(lengths) == 20 * 128
+    assert lengths.count(19) / len(lengths) < 0.05  # 1% expected; 50% if each length were as likely
 
 
 def test_hidden_channels_give_the_same_logits():
