@@ -54,7 +54,7 @@ from dpo import evaluate
 from evaluate import load_instructions, words_used
 from files import check_writable
 from ppo import CLIP, EPOCHS, LR, MINIBATCH, pack, token_logprobs
-from preferences import load_ask_list
+from preferences import load_asks
 from rl import (EVAL_EVERY, clip_stats, finish, log_rollout, parse_rl_args, resume, rl_parser, rollout_stats,
                 run_name, save_rollout)
 from sample import MAX_NEW_TOKENS, cut_at_end, generate
@@ -136,7 +136,8 @@ def main():
     # The policy's weights alone: there is no critic to train.
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     # A group repeats one instruction, so any length will do: one list of them all.
-    asks = load_ask_list(tokenizer)
+    by_length = load_asks(tokenizer)
+    asks = [ask for length in sorted(by_length) for ask in by_length[length]]
     instructions = load_instructions()
     folder = CHECKPOINTS / "grpo" / name
     check_writable(folder, RUNS / "grpo" / name)  # now, not when the first checkpoint is saved

@@ -10,7 +10,7 @@ their text, for people. They go to data/preferences.json with the settings that 
 
 load_asks() is here too: the training instructions (the first ASK_POOL of them), tokenized
 and grouped by their length in tokens, so that instructions of one length stack into a
-batch with no padding; load_ask_list() gives them in one list, for GRPO.
+batch with no padding.
 
     python preferences.py --instructions 2000
 """
@@ -44,13 +44,6 @@ def load_asks(tokenizer, path=DATA / "instructions.jsonl"):
         tokens = encode_prompt(tokenizer, example["instruction"])
         asks.setdefault(len(tokens), []).append((tokens, example["words"]))
     return asks
-
-
-def load_ask_list(tokenizer, path=DATA / "instructions.jsonl"):
-    """load_asks' instructions in one list, the shortest first: for GRPO, whose group repeats
-    one instruction, so any length will do."""
-    by_length = load_asks(tokenizer, path)
-    return [ask for length in sorted(by_length) for ask in by_length[length]]
 
 
 def pick_pair(rewards):

@@ -36,13 +36,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
+from bench.common import grpo_asks  # noqa: E402
 from bench.decode import attention_ways  # noqa: E402
 from bench.train import flops_per_token, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, machine  # noqa: E402
 from grpo import rollout  # noqa: E402
 from model import GPT, Config  # noqa: E402
-from preferences import load_ask_list  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 KERNEL = r"""
@@ -188,7 +188,7 @@ def errors_from_float64(attention, rows=128, heads=6, channels=64, blocks=7, see
 def writing_in_pairs(model, tokenizer, attention, pairs):
     """A rollout's writing with block_attention and with `attention` in turn, `pairs` times, each
     pair the same instructions and draws, the order changing each pair: each way's seconds and tokens."""
-    asks = load_ask_list(tokenizer)
+    asks = grpo_asks(tokenizer)
     ways = {"kernels.block_attention": kernels.block_attention, "the kernel": attention}
     taken = {way: [] for way in ways}
     # The cache in blocks, which both ways read, where a CPU with AMX would keep one block.

@@ -1,6 +1,7 @@
 """What the benchmarks share: running each variant in a fresh process, so that its peak
 memory is its own, timing a piece of work (a GPU's, not only its queueing), the memory's
-speed and the peak memory; devices.machine() describes the machine the figures came from."""
+speed, the peak memory, and the instructions a GRPO rollout draws from; devices.machine()
+describes the machine the figures came from."""
 import json
 import resource
 import subprocess
@@ -8,6 +9,8 @@ import sys
 import time
 
 import torch
+
+from preferences import load_asks
 
 
 def synchronize(device):
@@ -46,3 +49,9 @@ def run_variant(script, variant, extra=()):
     done = subprocess.run([sys.executable, script, "--variant", variant, *extra],
                           check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def grpo_asks(tokenizer):
+    """The training instructions as grpo.py draws its rollouts from them: one list, by length."""
+    by_length = load_asks(tokenizer)
+    return [ask for length in sorted(by_length) for ask in by_length[length]]

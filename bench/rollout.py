@@ -42,14 +42,13 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import peak_memory_mb, read_bandwidth, timed  # noqa: E402
+from bench.common import grpo_asks, peak_memory_mb, read_bandwidth, timed  # noqa: E402
 from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from evaluate import words_used  # noqa: E402
 from grpo import GROUP, group_advantages, grpo_loss, rollout  # noqa: E402
 from ppo import EPOCHS, LR, MINIBATCH, pack, token_logprobs  # noqa: E402
-from preferences import load_ask_list  # noqa: E402
 from sample import MAX_NEW_TOKENS, generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
@@ -170,7 +169,7 @@ def main():
     policy = load_checkpoint(args.model, device, tokenizer).eval()
     reference = load_checkpoint(args.model, device, tokenizer, quiet=True).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.0)
-    asks = load_ask_list(tokenizer)
+    asks = grpo_asks(tokenizer)
     print(f"machine: {machine()}; device: {device}; writing and update in {precision}")
 
     runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)

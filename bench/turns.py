@@ -36,12 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dpo  # noqa: E402
 import finetune  # noqa: E402
 import kernels  # noqa: E402
-from bench.common import timed  # noqa: E402
+from bench.common import grpo_asks, timed  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from grpo import group_advantages, grpo_loss, rollout  # noqa: E402
 from ppo import MINIBATCH, pack, token_logprobs  # noqa: E402
-from preferences import load_ask_list  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
 
@@ -97,7 +96,7 @@ def main():
     tokenizer = load_tokenizer()
     policy = load_checkpoint(args.model, device, tokenizer).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12, weight_decay=0.0)
-    asks = load_ask_list(tokenizer)
+    asks = grpo_asks(tokenizer)
     ways = WAYS[args.comparison]
     times, lengths, apart = {}, {}, 0.0
     for seed in range(args.rollouts):

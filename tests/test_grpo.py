@@ -171,8 +171,11 @@ def test_grpo_raises_the_words_used_reward_on_a_tiny_task(workspace_tokenizer, r
     tokenizer = workspace_tokenizer
     words = ["found", "happy", "look", "near"]
     assert all(len(tokenizer.encode(f" {word}")) == 1 for word in words)
-    asks = [(encode_prompt(tokenizer, instruction(asked)), list(asked)) for asked in itertools.permutations(words, 3)]
-    monkeypatch.setattr(grpo, "load_ask_list", lambda tokenizer: asks)
+    asks = {}
+    for asked in itertools.permutations(words, 3):
+        tokens = encode_prompt(tokenizer, instruction(asked))
+        asks.setdefault(len(tokens), []).append((tokens, list(asked)))
+    monkeypatch.setattr(grpo, "load_asks", lambda tokenizer: asks)
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
     monkeypatch.setattr(evaluate, "MAX_NEW_TOKENS", 16)
     run_main(grpo, "--rollouts", "12", "--seed", "7", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")

@@ -25,14 +25,6 @@ def test_asks_are_the_first_of_the_pool_whatever_the_file_holds(workspace, works
     assert sorted(words for group in asks.values() for _, words in group) == sorted(e["words"] for e in first)
 
 
-def test_the_ask_list_holds_every_ask_shortest_first(workspace, workspace_tokenizer):
-    path = workspace / "data" / "instructions.jsonl"
-    by_length, listed = preferences.load_asks(workspace_tokenizer, path), preferences.load_ask_list(workspace_tokenizer, path)
-    assert len(by_length) > 1  # the workspace's instructions come in several lengths
-    assert sorted(listed) == sorted(ask for group in by_length.values() for ask in group)
-    assert [len(tokens) for tokens, _ in listed] == sorted(len(tokens) for tokens, _ in listed)
-
-
 def test_a_pair_needs_a_better_and_a_worse_story():
     assert preferences.pick_pair([1 / 3, 1 / 3, 1 / 3, 1 / 3]) is None
     assert preferences.pick_pair([0.0, 2 / 3, 1 / 3, 2 / 3]) == (1, 0)
