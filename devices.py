@@ -53,7 +53,8 @@ def default_precision(device):
     if device.type == "cuda":
         # From compute capability 8 (NVIDIA's Ampere) a GPU multiplies bf16 itself; older ones
         # (a T4, a V100) have no bf16 units and torch emulates them, though
-        # torch.cuda.is_bf16_supported() says yes for them. AMD's GPUs (ROCm) have them.
+        # torch.cuda.is_bf16_supported() says yes for them. Under ROCm (AMD's GPUs), bf16, as
+        # torch takes it there.
         return "bf16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
         return "bf16" if bf16_speedup_on_cpu() > 1.5 else "fp32"
@@ -62,11 +63,16 @@ def default_precision(device):
 
 def resumed_precision(settings, device):
     """The precision a run's settings record, for the run going on on a device of the kind it
-    started on, so that it makes the model it would have made; on another kind (or for a run
-    that recorded neither), picked anew."""
-    if "precision" in settings and torch.device(settings.get("device", "meta")).type == device.type:
-        return settings["precision"]
-    return default_precision(device)
+    started on, so that it makes the model it would have made (saying so where this machine
+    would pick the other one: a CPU without fast bf16, say); picked anew on another kind of
+    device, or for a run that recorded no precision or no device."""
+    picked = default_precision(device)
+    if "precision" not in settings or torch.device(settings.get("device", "meta")).type != device.type:
+        return picked
+    if settings["precision"] != picked:
+        print(f"going on in {settings['precision']}, the precision the run started in, where this machine "
+              f"picks {picked}; --precision {picked} trains on in it")
+    return settings["precision"]
 
 
 def bf16_speedup_on_cpu(size=512, repeats=4, rounds=5):

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
 from data import SEED, instruction
 from devices import autocast, pick_device
@@ -133,6 +134,11 @@ def main():
     parser.add_argument("--seed", type=int, default=SEED,
                         help=f"the order of the pairs (default {SEED}); another seed gets folders of its own")
     args = parse_training_args(parser)
+    # One process: its 100 steps are minutes on a laptop; under torchrun each process would
+    # run the whole of it, and save and log it again.
+    if distributed.under_torchrun():
+        distributed.refuse("dpo.py runs in one process: python dpo.py (torchrun takes train.py, finetune.py, "
+                           "ppo.py and grpo.py)")
     name = run_name(args.seed)
     check_writable(CHECKPOINTS / name, RUNS / name)  # now, not when the model is saved
 

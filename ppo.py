@@ -91,8 +91,9 @@ def rollout(policy, tokenizer, asks, rng, seed):
     length draw theirs apart, so an instruction can come back in a rollout."""
     device = next(policy.parameters()).device
     # Eight different instructions of one length stack into a batch with no padding. A length
-    # is drawn as often as it holds instructions, so that every instruction is as likely as
-    # any other (GRPO's draw): on the shared sample, 1,217 are 18 tokens long and 23 are 19.
+    # is drawn as often as it holds instructions, so that every instruction of a length that
+    # fills a batch is as likely as any other (GRPO's draw): on the shared sample, 1,217 are
+    # 18 tokens long and 23 are 19.
     lengths = [length for length, group in asks.items() if len(group) >= PER_BATCH]
     held = np.array([len(asks[length]) for length in lengths])
     batches = []

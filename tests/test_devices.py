@@ -63,10 +63,13 @@ def test_a_cpu_gets_bf16_only_where_it_is_clearly_faster(monkeypatch, speedup, p
     assert devices.default_precision(torch.device("cpu")) == precision
 
 
-def test_a_resumed_run_keeps_its_precision_on_the_kind_of_device_it_started_on(monkeypatch):
+def test_a_resumed_run_keeps_its_precision_on_the_kind_of_device_it_started_on(monkeypatch, capsys):
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)  # this CPU would pick fp32
     cpu = torch.device("cpu")
+    assert devices.resumed_precision({"device": "cpu", "precision": "fp32"}, cpu) == "fp32"
+    assert capsys.readouterr().out == ""
     assert devices.resumed_precision({"device": "cpu", "precision": "bf16"}, cpu) == "bf16"
+    assert "--precision fp32" in capsys.readouterr().out  # said, as this CPU would pick fp32
     assert devices.resumed_precision({"device": "cuda:0", "precision": "bf16"}, cpu) == "fp32"
     assert devices.resumed_precision({"device": "cpu"}, cpu) == "fp32"  # a run that recorded none
 

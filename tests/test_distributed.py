@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed
+import dpo
 import finetune
 import grpo
 import launch
@@ -209,6 +210,15 @@ def test_pretraining_and_fine_tuning_refuse_three_processes_before_they_make_a_f
         in_one_process(tmp_path, monkeypatch, script, "--steps", "1")
     assert not (tmp_path / "runs").exists()  # check_writable makes its folders: it did not run
     assert (tmp_path / "checkpoints" / folder).exists() == (folder == "finetune")  # the fine-tuned model, copied
+
+
+def test_dpo_refuses_torchrun_before_it_makes_a_folder(workspace, tmp_path, monkeypatch):
+    # Each process would run all of DPO, and save and log it again.
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=r"^dpo.py runs in one process: python dpo.py \(torchrun takes"):
+        in_one_process(learner(workspace, tmp_path), monkeypatch, dpo, "--steps", "1")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints" / "dpo").exists()
 
 
 def test_a_missing_backend_is_refused_in_one_line(workspace, tmp_path, monkeypatch):
