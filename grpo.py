@@ -49,7 +49,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
-from devices import autocast, default_precision
+from devices import autocast, default_precision, resumed_precision
 from dpo import evaluate
 from evaluate import load_instructions, words_used
 from files import check_writable
@@ -145,6 +145,8 @@ def main():
     if args.resume:
         made_by = resume(folder, policy, optimizer, rng, tokenizer)["made_by"]
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
+        # In the precision it started in, so that it goes on as it would have (devices.resumed_precision).
+        precision = settings["precision"] = args.precision or resumed_precision(made_by["settings"], device)
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)
     writer = SummaryWriter(RUNS / "grpo" / name) if distributed.is_main() else distributed.NoWriter()

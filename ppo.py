@@ -63,7 +63,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
-from devices import autocast, default_precision
+from devices import autocast, default_precision, resumed_precision
 from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
 from files import check_writable
@@ -195,7 +195,10 @@ def main():
     if args.resume:
         checkpoint = resume(folder, policy, optimizer, rng, tokenizer)
         critic.load_state_dict(checkpoint["critic"])
-        rollout_count, seconds = checkpoint["made_by"]["rollout"], checkpoint["made_by"]["seconds"]
+        made_by = checkpoint["made_by"]
+        rollout_count, seconds = made_by["rollout"], made_by["seconds"]
+        # In the precision it started in, so that it goes on as it would have (devices.resumed_precision).
+        precision = settings["precision"] = args.precision or resumed_precision(made_by["settings"], device)
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
     ddp_policy, ddp_critic = distributed.wrap(policy), distributed.wrap(critic)
     writer = SummaryWriter(RUNS / "ppo" / name) if distributed.is_main() else distributed.NoWriter()

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+import devices
 import grpo
 import ppo
 import rl
-from checkpoints import load_checkpoint, save_checkpoint
+from checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
 from model import TINY, GPT, Config
 
 
@@ -55,6 +56,21 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
     steps_a_rollout = len(whole) // 4
     assert len(then) == 2 * steps_a_rollout  # rollouts 3 and 4
     assert first[:2 * steps_a_rollout] + then == whole
+
+
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, run_main, quick, monkeypatch):
+    quick(script)
+    monkeypatch.setattr(rl, "EVAL_EVERY", 2)
+    monkeypatch.setattr(script, "EVAL_EVERY", 2)
+    args = ["--rollouts", "3", "--seed", "11", "--device", "cpu", "--lr", "3e-3"]
+    folder = workspace / "checkpoints" / script.__name__ / "kl-0.05-lr-0.003-seed-11"  # the run's own
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 2.1)
+    stepped_losses(script, run_main, monkeypatch, args, stop_before=2)  # stopped after its rollout-2 checkpoint
+    # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)
+    stepped_losses(script, run_main, monkeypatch, args + ["--resume"])
+    assert read_checkpoint(folder)["made_by"]["settings"]["precision"] == "bf16"
 
 
 def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer, tmp_path, monkeypatch):
