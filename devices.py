@@ -57,8 +57,18 @@ def default_precision(device):
         # torch takes it there.
         return "bf16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
-        return "bf16" if bf16_speedup_on_cpu() > 1.5 else "fp32"
+        return "bf16" if rank_0s_timing(bf16_speedup_on_cpu()) > 1.5 else "fp32"
     return "fp32"
+
+
+def rank_0s_timing(speedup):
+    """Under torchrun, rank 0's timing in every process, so that all of them train in one
+    precision (each timed alone, two could fall either side of the line); in one process, its own."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return speedup
+    shared = torch.tensor([speedup], dtype=torch.float64)  # on the CPU: gloo's, as a CPU run's processes use
+    torch.distributed.broadcast(shared, 0)
+    return shared.item()
 
 
 def resumed_precision(settings, device):

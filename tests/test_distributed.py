@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import devices
 import distributed
 import dpo
 import finetune
@@ -294,19 +295,22 @@ def test_each_run_seed_and_rank_draw_their_own_seed(monkeypatch):
 def exchange(rank, world, folder):
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    # Rank 0's CPU times bf16 clearly faster, rank 1's not (timed alone, it would pick fp32).
+    devices.bf16_speedup_on_cpu = lambda: 2.0 if rank == 0 else 1.0
     try:
         result = {
             "tensor": distributed.gather(torch.tensor([[rank, 0], [rank, 1]])).tolist(),
             "list": distributed.gather([f"{rank}a", f"{rank}b"]),
             "mean": distributed.mean(2.0 * rank + 1),  # 1 and 3
             "seconds": distributed.seconds_since(time.time() - (100 if rank == 0 else 0)),  # rank 0 began 100 s ago
+            "precision": devices.default_precision(torch.device("cpu")),
         }
         (folder / f"rank-{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock(tmp_path):
+def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock_and_precision(tmp_path):
     mp.spawn(exchange, args=(2, tmp_path), nprocs=2)  # gloo, as torchrun on the CPU; about 3 s
     for rank in range(2):
         got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
@@ -314,3 +318,4 @@ def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock(tmp_
         assert got["list"] == ["0a", "0b", "1a", "1b"]
         assert got["mean"] == 2.0
         assert 100 <= got["seconds"] < 130
+        assert got["precision"] == "bf16"
