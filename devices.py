@@ -49,12 +49,13 @@ def autocast(device, precision):
 def default_precision(device):
     """bf16 on CUDA GPUs that have it and on CPUs that multiply bf16 matrices clearly faster
     than fp32 (the series' AMD EPYC: about 2.1 times; many laptops' CPUs: slower); fp32
-    elsewhere, Apple's MPS included. --precision overrides it."""
+    elsewhere, Apple's MPS included. --precision overrides it. Under torchrun on the CPU every
+    process calls it, together: they take rank 0's timing."""
     if device.type == "cuda":
         # From compute capability 8 (NVIDIA's Ampere) a GPU multiplies bf16 itself; older ones
         # (a T4, a V100) have no bf16 units and torch emulates them, though
-        # torch.cuda.is_bf16_supported() says yes for them. Under ROCm (AMD's GPUs), bf16, as
-        # torch takes it there.
+        # torch.cuda.is_bf16_supported() says yes for them. Under ROCm (AMD's GPUs) torch's own
+        # check says yes for every GPU, and so does this.
         return "bf16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
         return "bf16" if rank_0s_timing(bf16_speedup_on_cpu()) > 1.5 else "fp32"
@@ -63,10 +64,11 @@ def default_precision(device):
 
 def rank_0s_timing(speedup):
     """Under torchrun, rank 0's timing in every process, so that all of them train in one
-    precision (each timed alone, two could fall either side of the line); in one process, its own."""
+    precision (each process times its own CPU, at the same moment as the others, and two
+    could fall either side of the line); in one process, its own."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return speedup
-    shared = torch.tensor([speedup], dtype=torch.float64)  # on the CPU: gloo's, as a CPU run's processes use
+    shared = torch.tensor([speedup], dtype=torch.float64)  # on the CPU, where gloo, the CPU runs' backend, takes it
     torch.distributed.broadcast(shared, 0)
     return shared.item()
 

@@ -123,7 +123,6 @@ def main():
     name = run_name(args, LR)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
     settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision,
                             processes=distributed.world())
-    print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     tokenizer = load_tokenizer()
@@ -147,6 +146,7 @@ def main():
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
         # In the precision it started in, so that it goes on as it would have (devices.resumed_precision).
         precision = settings["precision"] = args.precision or resumed_precision(made_by["settings"], device)
+    print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)
     writer = SummaryWriter(RUNS / "grpo" / name) if distributed.is_main() else distributed.NoWriter()

@@ -169,7 +169,6 @@ def main():
     name = run_name(args, LR)
     settings = run_settings(args, globals(), script="ppo.py", device=str(device), precision=precision,
                             processes=distributed.world())
-    print(json.dumps(settings))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     tokenizer = load_tokenizer()
@@ -199,6 +198,7 @@ def main():
         rollout_count, seconds = made_by["rollout"], made_by["seconds"]
         # In the precision it started in, so that it goes on as it would have (devices.resumed_precision).
         precision = settings["precision"] = args.precision or resumed_precision(made_by["settings"], device)
+    print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
     ddp_policy, ddp_critic = distributed.wrap(policy), distributed.wrap(critic)
     writer = SummaryWriter(RUNS / "ppo" / name) if distributed.is_main() else distributed.NoWriter()

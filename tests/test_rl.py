@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 
@@ -59,7 +60,7 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
 
 
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
-def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, run_main, quick, monkeypatch):
+def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, run_main, quick, monkeypatch, capsys):
     quick(script)
     monkeypatch.setattr(rl, "EVAL_EVERY", 2)
     monkeypatch.setattr(script, "EVAL_EVERY", 2)
@@ -69,8 +70,15 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, ru
     stepped_losses(script, run_main, monkeypatch, args, stop_before=2)  # stopped after its rollout-2 checkpoint
     # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)
+    capsys.readouterr()
+    multiplied_in, real_autocast = set(), script.autocast
+    monkeypatch.setattr(script, "autocast", lambda device, precision: multiplied_in.add(precision)
+                        or real_autocast(device, precision))
     stepped_losses(script, run_main, monkeypatch, args + ["--resume"])
-    assert read_checkpoint(folder)["made_by"]["settings"]["precision"] == "bf16"
+    assert multiplied_in == {"bf16"}  # what it trained in
+    assert read_checkpoint(folder)["made_by"]["settings"]["precision"] == "bf16"  # what it says it trained in
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [settings["precision"] for settings in printed] == ["bf16"]
 
 
 def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer, tmp_path, monkeypatch):
