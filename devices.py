@@ -66,6 +66,7 @@ def rank_0s_timing(speedup):
     """Under torchrun, rank 0's timing in every process, so that all of them train in one
     precision (each process times its own CPU, at the same moment as the others, and two
     could fall either side of the line); in one process, its own."""
+    # Written here, not in distributed.py, as distributed.py imports this file.
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return speedup
     shared = torch.tensor([speedup], dtype=torch.float64)  # on the CPU, where gloo, the CPU runs' backend, takes it
@@ -76,10 +77,11 @@ def rank_0s_timing(speedup):
 def resumed_precision(settings, device):
     """The precision a run's settings record, for the run going on on a device of the kind it
     started on, so that it makes the model it would have made (saying so where this machine
-    would pick the other one: a CPU without fast bf16, say); picked anew on another kind of
-    device, or for a run that recorded no precision or no device."""
+    would pick the other one: a CPU without fast bf16, say); default_precision's on another
+    kind of device, for a new run (no settings) or one that recorded no precision or device."""
     picked = default_precision(device)
-    if "precision" not in settings or torch.device(settings.get("device", "meta")).type != device.type:
+    recorded = "precision" in settings and "device" in settings
+    if not recorded or torch.device(settings["device"]).type != device.type:
         return picked
     if settings["precision"] != picked:
         print(f"going on in {settings['precision']}, the precision the run started in, where this machine "

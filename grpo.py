@@ -49,7 +49,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import distributed
 from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
-from devices import autocast, default_precision, resumed_precision
+from devices import autocast, resumed_precision
 from dpo import evaluate
 from evaluate import load_instructions, words_used
 from files import check_writable
@@ -119,10 +119,7 @@ def main():
     args = parse_rl_args(rl_parser("Train the fine-tuned model with GRPO against the words-used reward.", LR))
     # One process, or under torchrun this process's device, each writing its share of the groups (distributed.py).
     device = distributed.setup(args.device, PROMPTS, "instructions of a rollout")
-    precision = args.precision or default_precision(device)
     name = run_name(args, LR)  # a folder per KL weight: checkpoints/grpo/kl-0.05/
-    settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision,
-                            processes=distributed.world())
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     tokenizer = load_tokenizer()
@@ -140,12 +137,15 @@ def main():
     instructions = load_instructions()
     folder = CHECKPOINTS / "grpo" / name
     check_writable(folder, RUNS / "grpo" / name)  # now, not when the first checkpoint is saved
-    rollout_count, seconds = 0, 0.0
+    rollout_count, seconds, started_with = 0, 0.0, {}
     if args.resume:
         made_by = resume(folder, policy, optimizer, rng, tokenizer)["made_by"]
-        rollout_count, seconds = made_by["rollout"], made_by["seconds"]
-        # In the precision it started in, so that it goes on as it would have (devices.resumed_precision).
-        precision = settings["precision"] = args.precision or resumed_precision(made_by["settings"], device)
+        rollout_count, seconds, started_with = made_by["rollout"], made_by["seconds"], made_by["settings"]
+    # bf16 where the device multiplies it faster; a resumed run in the precision it started in,
+    # so that it goes on as it would have (devices.resumed_precision).
+    precision = args.precision or resumed_precision(started_with, device)
+    settings = run_settings(args, globals(), script="grpo.py", device=str(device), precision=precision,
+                            processes=distributed.world())
     print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)

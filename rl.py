@@ -113,10 +113,10 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
     # The reference the KL is measured from is the fine-tuned model as it is now: made again
-    # since, it is not the one the run started from.
+    # since the run began (its first checkpoint, rollout 0), it is not the one the run started from.
     reference = checkpoint_file(CHECKPOINTS / "finetune")
-    if reference.exists() and reference.stat().st_mtime > saved[-1].stat().st_mtime:
-        raise SystemExit(f"{reference} was made again after {saved[-1]} was saved, so the run would go on against "
+    if reference.exists() and reference.stat().st_mtime > saved[0].stat().st_mtime:
+        raise SystemExit(f"{reference} was made again after {saved[0]} was saved, so the run would go on against "
                          "another reference; start the run without --resume")
     checkpoint = read_checkpoint(saved[-1])
     # The weights, refused in one line if another tokenizer made them (the model this run

@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -98,13 +99,18 @@ def test_resume_refuses_a_run_whose_fine_tuned_model_was_made_again_since(worksp
     optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
     save_checkpoint(tmp_path / "checkpoints" / "finetune", policy, workspace_tokenizer, {"script": "finetune.py"})
     folder = tmp_path / "checkpoints" / "grpo" / "kl-0.05"
-    rl.save_rollout(folder, 2, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
-    # The files' times a second apart, as two saves in a row can share a clock tick.
-    fine_tuned, saved_at = tmp_path / "checkpoints" / "finetune" / "model.pt", (folder / "rollout-2.pt").stat().st_mtime
-    os.utime(fine_tuned, (saved_at - 1, saved_at - 1))
+    for rollout in (0, 2):
+        rl.save_rollout(folder, rollout, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    # The files' times set apart, as two saves in a row can share a clock tick: the run began at
+    # `began` (rollout 0), its last checkpoint ten seconds later.
+    began = time.time() - 100
+    os.utime(folder / "rollout-0.pt", (began, began))
+    os.utime(folder / "rollout-2.pt", (began + 10, began + 10))
+    fine_tuned = tmp_path / "checkpoints" / "finetune" / "model.pt"
+    os.utime(fine_tuned, (began - 1, began - 1))
     assert rl.resume(folder, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 2
-    # Fine-tuned again after the run's last checkpoint: its KL would be measured from another model.
-    os.utime(fine_tuned, (saved_at + 1, saved_at + 1))
+    # Fine-tuned again while the run went on: the rollouts after it would be measured from another model.
+    os.utime(fine_tuned, (began + 5, began + 5))
     with pytest.raises(SystemExit, match="was made again after .*; start the run without --resume"):
         rl.resume(folder, policy, optimizer, rng, workspace_tokenizer)
 

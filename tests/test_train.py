@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import devices
 import finetune
 import launch
 import train
@@ -210,9 +211,9 @@ def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(
 
 def test_a_resumed_run_keeps_the_precision_it_started_with(workspace, tmp_path, monkeypatch):
     pretrain = four_steps_of_pretraining(workspace, monkeypatch)
-    monkeypatch.setattr(train, "default_precision", lambda device: "bf16")
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 2.1)
     with pytest.raises(KeyboardInterrupt):
         pretrain(tmp_path, "--device", "cpu", stop_after_step=2)
     # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
-    monkeypatch.setattr(train, "default_precision", lambda device: "fp32")
+    monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)
     assert pretrain(tmp_path, "--device", "cpu", "--resume")["made_by"]["settings"]["precision"] == "bf16"
