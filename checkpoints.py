@@ -105,13 +105,15 @@ def load_checkpoint(path, device="cpu", tokenizer=None, quiet=False):
     return model_from(read_checkpoint(path), path, device, tokenizer, quiet)
 
 
-def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False):
+def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False, advice=None):
     """load_checkpoint's model from a checkpoint read_checkpoint(path) has read already, for a
-    script that needs more of the file than the model: the file is read once."""
+    script that needs more of the file than the model: the file is read once. `advice` ends
+    each refusal in place of the command that makes the file (a resumed run's: start afresh)."""
     file = checkpoint_file(path)
     if tokenizer is not None and checkpoint["tokenizer"] != tokenizer.fingerprint():
         raise SystemExit(f"{file} was trained with another tokenizer than data/tokenizer.json; "
-                         "train it again, or prepare the data it was trained on")
+                         f"{advice or 'train it again, or prepare the data it was trained on'}")
+    advice = advice or f"make it again with {made_with(file)}"
     try:
         model = GPT(Config(**checkpoint["config"]))
         model.load_state_dict(checkpoint["model"])
@@ -120,10 +122,10 @@ def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False):
         reason = lines[1] if len(lines) > 1 else lines[0]  # the first line only names the class
         # One short line: a list of missing weights runs to kilobytes.
         raise SystemExit(f"{file} does not match the model it describes ({shorten(reason, 150, placeholder=' ...')}); "
-                         f"make it again with {made_with(file)}")
+                         f"{advice}")
     if model.config.context != Config.context:
         raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
-                         f"{Config.context}; make it again with {made_with(file)}")
+                         f"{Config.context}; {advice}")
     if not quiet:
         made_by = checkpoint["made_by"]
         when = f"rollout {made_by['rollout']}" if "rollout" in made_by else f"step {made_by.get('step', '?')}"

@@ -32,7 +32,7 @@ from checkpoints import CHECKPOINTS, RUNS, logged
 from data import SEED
 from devices import machine
 from dpo import run_name as dpo_run_name
-from evaluate import model_name, spread, table
+from evaluate import model_name, saved_name, spread, table
 from files import DATA, atomic
 from ppo import LR
 from preferences import PAIRS
@@ -141,7 +141,7 @@ def final(folder):
 
 def evaluation(model):
     """The file evaluate.py saves a model's figures and stories in."""
-    return RUNS / "evaluate" / f"{model_name(model)}.json"
+    return RUNS / "evaluate" / f"{saved_name(model)}.json"
 
 
 def shown(command):

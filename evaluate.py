@@ -141,16 +141,18 @@ def model_name(path):
 def saved_name(path):
     """The file a model's results are saved in: its path under checkpoints/, joined by dashes
     (grpo-kl-0.05-rollout-10), so that two runs' rollout-10, or two folders named alike,
-    never overwrite each other's."""
-    path = os.path.normpath(path)  # inside/../model.pt is model.pt
-    file = Path(path) if Path(path).suffix == ".pt" else Path(path) / "model.pt"
-    parts = [*file.parent.parts, *([] if file.name == "model.pt" else [file.stem])]
-    if "checkpoints" in parts:
-        parts = parts[len(parts) - parts[::-1].index("checkpoints"):]
-    name = "-".join(part for part in parts if part.strip("/."))
-    # A path with no folder of its own to name it (model.pt, ., ../model.pt, checkpoints): its
-    # whole path from the root, the drive or root itself left out.
-    return name or "-".join(Path(os.path.abspath(file)).parent.parts[1:])
+    never overwrite each other's; the same name from wherever the path is given."""
+    file = Path(os.path.normpath(path))  # inside/../model.pt is model.pt
+    file = file if file.suffix == ".pt" else file / "model.pt"
+    own_name = [] if file.name == "model.pt" else [file.stem]
+    whole = [*Path(os.path.abspath(file)).parent.parts[1:], *own_name]  # the drive or root left out
+    given = [part for part in [*file.parent.parts, *own_name] if part != ".."]
+    below = whole[len(whole) - whole[::-1].index("checkpoints"):] if "checkpoints" in whole else []
+    if below:
+        return "-".join(below)
+    # Elsewhere, the path as given; where it has no folder of its own to name it (model.pt, .,
+    # ../model.pt, checkpoints itself), its whole path from the root.
+    return "-".join(given) if given and "checkpoints" not in given else "-".join(whole)
 
 
 def spread(values, form="{:.0%}"):

@@ -119,21 +119,16 @@ def resume(folder, policy, optimizer, rng, tokenizer):
         raise SystemExit(f"{reference} was made again after {saved[0]} was saved, so the run would go on against "
                          "another reference; start the run without --resume")
     checkpoint = read_checkpoint(saved[-1])
-    # The weights, refused in one line if another tokenizer made them (the model this run
-    # starts from was made with this one), if they don't fit their config, or if they don't
-    # fit the model the run starts from.
-    if checkpoint["tokenizer"] != tokenizer.fingerprint():
-        raise SystemExit(f"{saved[-1]} was trained with another tokenizer than data/tokenizer.json; "
-                         "start the run without --resume")
-    resumed = model_from(checkpoint, saved[-1], quiet=True)
-    if resumed.config != policy.config:
-        raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; "
-                         "start the run without --resume")
-    policy.load_state_dict(resumed.state_dict())
-    # And what only a rollout checkpoint holds: the optimizer and the random states.
+    # Everything checked before anything is loaded: what only a rollout checkpoint holds (the
+    # optimizer and the random states), and weights made with this tokenizer (the model this run
+    # starts from was made with it), fitting their config and the model the run starts from.
+    afresh = "start the run without --resume"
     if not {"optimizer", "numpy_random", "torch_random"} <= checkpoint.keys():
-        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); "
-                         "start the run without --resume")
+        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); {afresh}")
+    resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
+    if resumed.config != policy.config:
+        raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
+    policy.load_state_dict(resumed.state_dict())
     optimizer.load_state_dict(checkpoint["optimizer"])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])

@@ -102,6 +102,18 @@ def test_a_model_in_the_folder_you_are_in_is_named_after_that_folder(tmp_path, m
     assert evaluate.saved_name("checkpoints") == "-".join((tmp_path / "checkpoints").parts[1:])
 
 
+def test_a_model_under_checkpoints_is_saved_under_one_name_from_wherever_it_is_given(tmp_path, monkeypatch):
+    (tmp_path / "checkpoints" / "grpo" / "kl-0.05" / "inside").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.saved_name("checkpoints/grpo/kl-0.05") == "grpo-kl-0.05"
+    monkeypatch.chdir(tmp_path / "checkpoints" / "grpo" / "kl-0.05")
+    assert [evaluate.saved_name(path) for path in (".", "model.pt", "rollout-10.pt")] == [
+        "grpo-kl-0.05", "grpo-kl-0.05", "grpo-kl-0.05-rollout-10"]
+    # Not rollout-10, which another run's rollout-10 would overwrite.
+    monkeypatch.chdir("inside")
+    assert evaluate.saved_name("../rollout-10.pt") == "grpo-kl-0.05-rollout-10"
+
+
 def test_times_used_counts_every_form_of_a_word():
     assert evaluate.times_used("Cake! The cakes, and more cake. A cupcake.", "cake") == 3
     assert evaluate.times_used("It rained and rained; rainbows.", "rain") == 2

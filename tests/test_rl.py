@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -129,10 +130,20 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
                     rng, settings)
     with pytest.raises(SystemExit, match="another shape"):
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
-    # A final model copied in under a rollout's name: no optimizer, no random state.
-    save_checkpoint(tmp_path / "a-model" / "rollout-3.pt", policy, workspace_tokenizer, {"script": "grpo.py"})
+    # Weights that don't fit their own config: the advice is the resume's, not the command that makes the file.
+    checkpoint = read_checkpoint(tmp_path / "other-shape" / "rollout-2.pt")
+    checkpoint["config"] = asdict(policy.config)
+    torch.save(checkpoint, tmp_path / "other-shape" / "rollout-2.pt")
+    with pytest.raises(SystemExit, match="does not match the model it describes .*; start the run without --resume$"):
+        rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
+    # A final model copied in under a rollout's name: no optimizer, no random state; refused
+    # before its weights reach the policy.
+    other = GPT(policy.config)
+    save_checkpoint(tmp_path / "a-model" / "rollout-3.pt", other, workspace_tokenizer, {"script": "grpo.py"})
+    before = {name: weight.clone() for name, weight in policy.state_dict().items()}
     with pytest.raises(SystemExit, match="is not a rollout checkpoint"):
         rl.resume(tmp_path / "a-model", policy, optimizer, rng, workspace_tokenizer)
+    assert all(torch.equal(weight, before[name]) for name, weight in policy.state_dict().items())
 
 
 def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
