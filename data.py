@@ -336,9 +336,11 @@ def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
     its outputs are as it made them."""
     out.mkdir(parents=True, exist_ok=True)
     train, tune, valid = out / "train.txt", out / "tune.txt", out / "valid.txt"
-    # 1. Clean stories, train, tune and valid apart, the held-out stories out of train.
+    # 1. Clean stories, train, tune and valid apart, the held-out stories out of train
+    #    (VALID_SHARE splits them only where the source has no valid file).
+    has_valid = any(split == "valid" for split, _ in files)
     run_step(out, "stories", lambda: inputs_of(heldout, *[p for _, p in files], files=[[s, str(p)] for s, p in files],
-                                               tune_share=TUNE_SHARE),
+                                               tune_share=TUNE_SHARE, **({} if has_valid else {"valid_share": VALID_SHARE})),
              [train, tune, valid, heldout], lambda: make_stories(files, out, heldout))
     # 2. An instruction for each story kept for fine-tuning: what fine-tuning and the RL episodes train on.
     run_step(out, "instructions", lambda: inputs_of(train, tune, **ASKING),

@@ -231,6 +231,24 @@ def test_second_run_reuses_what_is_there(corpus, prepared, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in prepared.iterdir()} == before
 
 
+def test_a_changed_valid_share_splits_again_only_a_source_without_a_valid_file(corpus, prepared, tmp_path,
+                                                                                monkeypatch, capsys):
+    # The held-out set drawn from the valid file, as a source without one has too few to draw from.
+    heldout = prepared / "heldout.json"
+    (corpus / "stories-valid.txt").rename(tmp_path / "valid-aside.txt")
+    without_valid = prepare(corpus, tmp_path / "without-valid", heldout)
+    valid_before = read(without_valid / "valid.txt")
+    monkeypatch.setattr(data, "VALID_SHARE", 5)
+    capsys.readouterr()
+    prepare(corpus, without_valid, heldout)
+    assert "stories: up to date" not in capsys.readouterr().out
+    assert len(read(without_valid / "valid.txt")) > len(valid_before)
+    # With a valid file, VALID_SHARE splits nothing: the data stays as it is.
+    (tmp_path / "valid-aside.txt").rename(corpus / "stories-valid.txt")
+    prepare(corpus, prepared)
+    assert capsys.readouterr().out.count("up to date") == 4
+
+
 def test_changed_source_is_prepared_again(corpus, prepared, capsys):
     with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
         f.write(f"A new story about a kite.\n{SEPARATOR}\n")
