@@ -140,7 +140,10 @@ def resume(folder, policy, optimizer, rng, tokenizer):
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
     """The end of a run: the final model measured (if the last rollout wasn't), the writer
     closed, and the model saved in the run's folder (by rank 0 alone, under torchrun)."""
-    if rollout % EVAL_EVERY:
+    # A run resumed after it had ended measured its last rollout then, and saved its checkpoint.
+    measured = (folder / f"rollout-{rollout}.pt").exists()
+    distributed.barrier()  # under torchrun, every process has looked before rank 0 may save it
+    if rollout % EVAL_EVERY and not measured:
         evaluate_and_save()
     writer.close()
     seconds = time.time() - start

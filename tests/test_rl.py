@@ -83,6 +83,24 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, ru
     assert [settings["precision"] for settings in printed] == ["bf16"]
 
 
+# A run that has ended, resumed (with the same budget), measured its last rollout already.
+@pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
+def test_a_resumed_run_that_had_ended_is_not_measured_again(script, workspace, run_main, quick, monkeypatch):
+    quick(script)
+    monkeypatch.setattr(rl, "EVAL_EVERY", 2)
+    monkeypatch.setattr(script, "EVAL_EVERY", 2)
+    args = ["--rollouts", "3", "--seed", "13", "--device", "cpu", "--precision", "fp32"]
+    measured, real_evaluate = [], script.evaluate
+    monkeypatch.setattr(script, "evaluate", lambda *given, **options: measured.append(given[4])
+                        or real_evaluate(*given, **options))
+    run_main(script, *args)
+    assert measured == [0, 2, 3]
+    run_main(script, *args, "--resume")
+    assert measured == [0, 2, 3]
+    folder = workspace / "checkpoints" / script.__name__ / "kl-0.05-seed-13"
+    assert read_checkpoint(folder)["made_by"]["rollout"] == 3
+
+
 def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer, tmp_path, monkeypatch):
     policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
     optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
