@@ -148,7 +148,7 @@ def main():
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer()
-    pairs, made_with = load_pairs()
+    pairs, made_with = load_pairs(tokenizer)
     instructions = load_instructions()
     # The model to train and its frozen copy, the reference; dropout off in both.
     policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer).eval()

@@ -73,8 +73,9 @@ def make_pairs(model, tokenizer, examples, stories_per=STORIES, seed=SEED):
     return pairs
 
 
-def load_pairs(path=PAIRS):
-    """The saved pairs and the settings that made them."""
+def load_pairs(tokenizer, path=PAIRS):
+    """The saved pairs and the settings that made them, refused unless each pair is an
+    instruction and two stories' tokens of this tokenizer, the chosen one the better."""
     if not path.exists():
         raise SystemExit(f"no {path}: make it with python preferences.py")
     try:
@@ -87,9 +88,23 @@ def load_pairs(path=PAIRS):
     if not pairs:
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
+    # Made before data.py made the tokenizer again, the pairs' token numbers mean other things.
+    if settings.get("tokenizer") != tokenizer.fingerprint():
+        raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
+                         "make it again with python preferences.py")
+    if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
+        raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens; "
+                         "make it again with python preferences.py")
     if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
     return pairs, settings
+
+
+def well_formed(pair, vocab_size):
+    """Whether a pair holds an instruction and, for each side, a story's tokens (numbers below vocab_size)."""
+    return isinstance(pair.get("instruction"), str) and all(
+        isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
+        for tokens in (pair.get("chosen_tokens"), pair.get("rejected_tokens")))
 
 
 def main():
@@ -121,7 +136,8 @@ def main():
     if not pairs:
         raise SystemExit(f"every instruction's stories tied, so there are no pairs; {PAIRS} is left as it was. "
                          "Try more --instructions or --stories")
-    settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0}
+    settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0,
+                "tokenizer": tokenizer.fingerprint()}
     with atomic(PAIRS) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")
     chosen, rejected = (np.mean([p[f"{side}_reward"] for p in pairs]) for side in ("chosen", "rejected"))

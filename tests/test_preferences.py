@@ -53,7 +53,7 @@ def test_a_pair_keeps_the_tokens_as_written_not_encoded_again(workspace_tokenize
 
 def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_tokenizer, run_main, capsys):
     run_main(preferences, "--instructions", "16", "--stories", "3")
-    pairs, settings = preferences.load_pairs(workspace / "data" / "preferences.json")
+    pairs, settings = preferences.load_pairs(workspace_tokenizer, workspace / "data" / "preferences.json")
     assert settings["instructions"] == 16 and settings["stories"] == 3
     assert 0 < len(pairs) <= 16
     assert all(workspace_tokenizer.decode(p[f"{side}_tokens"]) == p[side] for p in pairs for side in ("chosen", "rejected"))
@@ -72,12 +72,28 @@ def test_no_pairs_leave_the_saved_pairs_as_they_were(workspace, run_main, monkey
     assert (workspace / "data" / "preferences.json").read_bytes() == saved
 
 
-def test_damaged_pairs_file_is_refused(tmp_path):
+def test_damaged_pairs_file_is_refused(workspace_tokenizer, tmp_path):
     (tmp_path / "preferences.json").write_text('{"pairs": [')
     with pytest.raises(SystemExit, match="python preferences.py"):
-        preferences.load_pairs(tmp_path / "preferences.json")
+        preferences.load_pairs(workspace_tokenizer, tmp_path / "preferences.json")
     with pytest.raises(SystemExit, match="python preferences.py"):
-        preferences.load_pairs(tmp_path / "missing.json")
+        preferences.load_pairs(workspace_tokenizer, tmp_path / "missing.json")
+
+
+def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, workspace_tokenizer, small_tokenizer,
+                                                                 run_main):
+    run_main(preferences, "--instructions", "16", "--stories", "3")
+    path = workspace / "data" / "preferences.json"
+    # The data made again since (another tokenizer): the pairs' token numbers mean other things.
+    with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):
+        preferences.load_pairs(small_tokenizer, path)
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    for damage in ({"chosen_tokens": "a story"}, {"rejected_tokens": [workspace_tokenizer.vocab_size]},
+                   {"rejected_tokens": []}, {"instruction": None}):
+        damaged = {**saved, "pairs": [*saved["pairs"][1:], {**saved["pairs"][0], **damage}]}
+        path.write_text(json.dumps(damaged), encoding="utf-8")
+        with pytest.raises(SystemExit, match="not an instruction and two stories' tokens; make it again"):
+            preferences.load_pairs(workspace_tokenizer, path)
 
 
 def test_each_instruction_s_pair_is_made_of_the_stories_written_for_it(workspace_tokenizer, monkeypatch):
@@ -100,9 +116,10 @@ def test_each_instruction_s_pair_is_made_of_the_stories_written_for_it(workspace
         assert (pair["chosen_reward"], pair["rejected_reward"]) == (pytest.approx(2 / 3), 0)
 
 
-def test_a_pair_whose_stories_tie_is_refused(tmp_path):
+def test_a_pair_whose_stories_tie_is_refused(workspace_tokenizer, tmp_path):
     pair = {"instruction": "x", "chosen_tokens": [1], "rejected_tokens": [2], "chosen_reward": 1 / 3,
             "rejected_reward": 1 / 3}
-    (tmp_path / "preferences.json").write_text(json.dumps({"settings": {}, "pairs": [pair]}))
+    settings = {"tokenizer": workspace_tokenizer.fingerprint()}
+    (tmp_path / "preferences.json").write_text(json.dumps({"settings": settings, "pairs": [pair]}))
     with pytest.raises(SystemExit, match="not the better one"):
-        preferences.load_pairs(tmp_path / "preferences.json")
+        preferences.load_pairs(workspace_tokenizer, tmp_path / "preferences.json")
