@@ -88,7 +88,12 @@ def save(figure, file):
 
 
 def draw(file, title, xlabel, ylabel, lines):
-    """One plot: a line for each (steps, values, label)."""
+    """One plot: a line for each (steps, values, label) that has points; none, and the figure
+    in docs/img/ is left as it is (a run that stopped before it logged leaves an empty folder)."""
+    lines = [line for line in lines if line[0]]
+    if not lines:
+        print(f"nothing logged for {file} in runs/: skipping it")
+        return
     figure, axes = plt.subplots(figsize=(7, 3.6))
     for steps, values, label in lines:
         axes.plot(steps, values, label=label, marker="o" if len(steps) < 40 else None, markersize=3)

@@ -109,3 +109,16 @@ def test_the_course_s_figures_named_with_others_are_refused(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         plots.main()
     assert "name them in a command of their own" in capsys.readouterr().err
+
+
+def test_a_run_that_stopped_before_it_logged_leaves_the_figure_as_it_was(tmp_path, monkeypatch, capsys):
+    # train.py stopped for a missing tokenizer, after making its runs/ folder: nothing to draw.
+    (tmp_path / "runs" / "pretrain").mkdir(parents=True)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "pretrain-loss.png").write_bytes(b"the figure before")
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", "pretrain-loss.png"])
+    plots.main()
+    assert (tmp_path / "img" / "pretrain-loss.png").read_bytes() == b"the figure before"
+    assert "nothing logged for pretrain-loss.png in runs/: skipping it" in capsys.readouterr().out
