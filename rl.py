@@ -11,6 +11,7 @@ LR), clip_stats(..., CLIP). The evaluation is DPO's (dpo.evaluate), counted in r
 """
 import argparse
 import math
+import re
 import time
 
 import torch
@@ -98,18 +99,25 @@ def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, se
         # A new run's first checkpoint (a resumed run saves no rollout 0): an earlier run's later
         # ones, left in the folder, would be what a --resume went on from. They go only now, so
         # a new run stopped before it saved anything leaves the earlier run whole.
-        earlier = [checkpoint for checkpoint in folder.glob("rollout-*.pt") if checkpoint.stem != "rollout-0"]
+        earlier = rollout_checkpoints(folder)[1:]
         for checkpoint in earlier:
             checkpoint.unlink()
         if earlier:
             print(f"a new run in {folder}: the earlier run's later rollout checkpoints removed ({len(earlier)})")
 
 
+def rollout_checkpoints(folder):
+    """The run's rollout-N.pt files, by N (rollout-10 after rollout-9); other files, a copy of
+    one under another name, are not the run's."""
+    saved = [path for path in folder.glob("rollout-*.pt") if re.fullmatch(r"rollout-\d+", path.stem)]
+    return sorted(saved, key=lambda path: int(path.stem.removeprefix("rollout-")))
+
+
 def resume(folder, policy, optimizer, rng, tokenizer):
     """Loads the run's last rollout checkpoint into policy, optimizer and random state;
     returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
     torchrun every process loads the same one, and goes on drawing what the others draw."""
-    saved = sorted(folder.glob("rollout-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    saved = rollout_checkpoints(folder)
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
     # The reference the KL is measured from is the fine-tuned model as it is now: made again
@@ -128,8 +136,13 @@ def resume(folder, policy, optimizer, rng, tokenizer):
     resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
+    # The optimizer's state, refused if it is of other weights (PPO's, with its critic, in a GRPO run's folder).
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"{saved[-1]} holds an optimizer of other weights than this run trains "
+                         f"({type(error).__name__}); {afresh}")
     policy.load_state_dict(resumed.state_dict())
-    optimizer.load_state_dict(checkpoint["optimizer"])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])
     made_by = checkpoint["made_by"]

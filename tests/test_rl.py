@@ -148,6 +148,12 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
                     rng, settings)
     with pytest.raises(SystemExit, match="another shape"):
         rl.resume(tmp_path / "other-shape", policy, optimizer, rng, workspace_tokenizer)
+    # PPO's checkpoint in a GRPO run's folder: its optimizer holds the critic's weights too.
+    critic = torch.nn.Linear(policy.config.n_embd, 1)
+    both = torch.optim.AdamW([*policy.parameters(), *critic.parameters()])
+    rl.save_rollout(tmp_path / "ppo-s", 2, 0.0, policy, workspace_tokenizer, both, rng, {"script": "ppo.py"})
+    with pytest.raises(SystemExit, match="holds an optimizer of other weights than this run trains .*; start the run"):
+        rl.resume(tmp_path / "ppo-s", policy, optimizer, rng, workspace_tokenizer)
     # Weights that don't fit their own config: the advice is the resume's, not the command that makes the file.
     checkpoint = read_checkpoint(tmp_path / "other-shape" / "rollout-2.pt")
     checkpoint["config"] = asdict(policy.config)
@@ -170,7 +176,12 @@ def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_
     optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
     for rollout in (9, 10):
         rl.save_rollout(tmp_path, rollout, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    # A copy under another name is not one of the run's checkpoints.
+    shutil.copy(tmp_path / "rollout-9.pt", tmp_path / "rollout-9 (copy).pt")
     assert rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)["made_by"]["rollout"] == 10
+    # Nor does a new run remove it, with the earlier run's later checkpoints.
+    rl.save_rollout(tmp_path, 0, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rollout-0.pt", "rollout-9 (copy).pt"]
 
 
 def test_the_stories_figures_are_their_mean_length_the_share_cut_short_and_the_entropy_per_token():
