@@ -134,7 +134,8 @@ def test_a_full_disk_stops_training_before_it_starts(script, learner, monkeypatc
 
 
 @pytest.mark.parametrize("args", [["--lr", "0"], ["--asks", "0"], ["--plain-share", "0.01"], ["--plain-share", "0.99"],
-                                  ["--swap", "1.5"]])
+                                  ["--plain-share", "nan"], ["--plain-share", "inf"], ["--swap", "1.5"],
+                                  ["--first-use-weight", "inf"]])
 def test_a_lever_out_of_range_gets_one_line(args, learner, monkeypatch, capsys):
     monkeypatch.setattr(finetune, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
     with pytest.raises(SystemExit):
