@@ -50,9 +50,9 @@ def logged(run, tag):
 
 
 def checkpoint_file(path):
-    """A folder means the final model in it, model.pt; a file is itself."""
+    """A folder means the final model in it, model.pt; a file (a .pt, or any file there is) is itself."""
     path = Path(path)
-    return path if path.suffix == ".pt" else path / "model.pt"
+    return path if path.suffix == ".pt" or path.is_file() else path / "model.pt"
 
 
 def save_checkpoint(path, model, tokenizer, made_by, optimizer=None, **state):

@@ -124,9 +124,16 @@ def test_interrupted_save_keeps_the_old_checkpoint(small_model, small_tokenizer,
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
-def test_a_folder_means_its_final_model():
+def test_a_folder_means_its_final_model(small_model, small_tokenizer, tmp_path):
     assert checkpoint_file("checkpoints/ppo/kl-0.05").name == "model.pt"
     assert checkpoint_file("checkpoints/ppo/kl-0.05/rollout-10.pt").name == "rollout-10.pt"
+    # A file of another name is itself: a checkpoint saved as mine.pth loads, and a text file is refused as one.
+    save_checkpoint(tmp_path / "saved.pt", small_model, small_tokenizer, {"script": "test", "step": 3})
+    (tmp_path / "saved.pt").rename(tmp_path / "mine.pth")
+    assert read_checkpoint(tmp_path / "mine.pth")["made_by"]["step"] == 3
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(SystemExit, match="notes.txt is not a checkpoint that loads safely"):
+        read_checkpoint(tmp_path / "notes.txt")
 
 
 def saved_step(path):
