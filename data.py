@@ -394,6 +394,8 @@ def main():
     if args.megabytes is not None and args.megabytes <= 0:
         parser.error("--megabytes must be a positive number")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file: name a folder")
     with one_at_a_time(out):
         files = local_files(args.source) if args.source else download(out / "download", args.megabytes)
         prepare(files, out)

@@ -24,7 +24,10 @@ def git(*args):
 
 def read_steps(path=STEPS):
     """The rows of steps.tsv under its header: (tag, commit subject)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SystemExit(f"{path.name} can't be read ({type(error).__name__}): git restore {path.name}")
     if lines[:1] != [HEADER]:
         raise SystemExit(f"{path.name}, line 1: expected the header: tag, a tab, commit subject")
     rows = []

@@ -303,6 +303,15 @@ def test_a_second_data_py_on_the_same_folder_is_refused(corpus, tmp_path, monkey
         pass
 
 
+def test_an_out_that_is_a_file_is_refused_in_one_line(corpus, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr("sys.argv", ["data.py", "--source", str(corpus), "--out", str(tmp_path / "notes.txt")])
+    with pytest.raises(SystemExit):
+        data.main()
+    assert "notes.txt is a file: name a folder" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("words", ["kite", ["Kite", "river", "brave"], ["kite", "kite", "river"], None])
 def test_a_held_out_instruction_that_the_reward_would_misread_is_refused(tmp_path, words):
     heldout = json.loads(data.HELDOUT.read_text())

@@ -123,6 +123,14 @@ def test_a_table_out_of_shape_is_refused_in_one_line(tmp_path, text, error):
         tags.read_steps(table)
 
 
+def test_a_table_that_cannot_be_read_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^steps.tsv can't be read \(FileNotFoundError\): git restore steps.tsv$"):
+        tags.read_steps(tmp_path / "steps.tsv")
+    (tmp_path / "steps.tsv").write_bytes(b"tag\tcommit subject\n\xff\xfe\n")
+    with pytest.raises(SystemExit, match=r"^steps.tsv can't be read \(UnicodeDecodeError\)"):
+        tags.read_steps(tmp_path / "steps.tsv")
+
+
 def commit(folder, message):
     git(folder, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
         "commit", "--quiet", "--allow-empty", "-m", message)
