@@ -7,6 +7,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,14 +41,20 @@ def peak_memory_mb(device):
     """The most memory the process held: GPU memory on CUDA, resident memory elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    kilobytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kilobytes / 1024 if sys.platform != "darwin" else kilobytes / 2**20
+    return max_resident_mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def max_resident_mb(ru_maxrss):
+    """A process's ru_maxrss in MB: counted in kilobytes on Linux, in bytes on macOS."""
+    return ru_maxrss / 1024 if sys.platform != "darwin" else ru_maxrss / 2**20
 
 
 def run_variant(script, variant, extra=()):
     """Runs `script --variant VARIANT` in a new process and returns the JSON it prints last."""
-    done = subprocess.run([sys.executable, script, "--variant", variant, *extra],
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, script, "--variant", variant, *extra], capture_output=True, text=True)
+    if done.returncode != 0:  # the last line of its errors says why
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise SystemExit(f"{Path(script).name} --variant {variant} failed: {why}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import max_resident_mb  # noqa: E402
 from data import SEPARATOR, local_files, read_stories  # noqa: E402
 from devices import machine  # noqa: E402
 
@@ -90,7 +91,7 @@ def run(script, args, marker, folder):
     seconds = time.time() - started
     if status != 0:
         raise SystemExit(f"{script} failed:\n{''.join(lines[-5:])}")
-    return seconds, first, usage.ru_maxrss / 1024, lines
+    return seconds, first, max_resident_mb(usage.ru_maxrss), lines
 
 
 def main():

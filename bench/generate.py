@@ -62,8 +62,9 @@ def main():
     parser.add_argument("--device")
     parser.add_argument("--variant", choices=["cache", "no-cache"], help="run one variant here (used internally)")
     args = parser.parse_args()
-    if args.stories < 1 or args.tokens < 1:
-        parser.error("--stories and --tokens must be at least 1")
+    room = Config.context - PROMPT_LENGTH
+    if args.stories < 1 or not 1 <= args.tokens <= room:
+        parser.error(f"--stories must be at least 1, and --tokens from 1 to {room} (the context less the prompt)")
     device = pick_device(args.device)
     if args.variant:
         print(json.dumps(measure(args.variant, args.stories, args.tokens, device)))

@@ -175,7 +175,11 @@ def main():
         try:
             pages = pages_of(site)
             if args.pages:
-                pages = [p for p in pages if (p.strip("/") or "index") in args.pages]
+                names = {p.strip("/") or "index": p for p in pages}
+                unknown = sorted(set(args.pages) - set(names))
+                if unknown:
+                    raise SystemExit(f"no page named {', '.join(unknown)}; the pages: {', '.join(names)}")
+                pages = [names[name] for name in args.pages]
             for page in pages:
                 for width in WIDTHS:
                     dom = chromium(args.chromium, profile, f"{base}/frame?{width}&{page}",

@@ -121,10 +121,24 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(mach
     assert re.search(r"^the writing's floor, its products at the peak \([\d.]+ s\) and the keys and values its "
                      r"steps read \([\d.]+ GB\) at the memory's [\d.]+ GB/s \([\d.]+ s\): [\d.]+ s; it took "
                      r"[\d.]+ times it$", out, re.MULTILINE)
-    assert re.search(r"group by group \(16 calls of 8\): [\d.]+ times faster", out)
+    assert re.search(r"group by group \(16 calls of 8, its own stories\): [\d.]+ times faster", out)
     compared = re.search(r"writing in bf16 .*: [\d,]+ generated tokens per second", out)
     assert bool(compared) == (machine_s_precision == "bf16")
     assert ("bf16 not measured" in out) == (machine_s_precision == "fp32")
+
+
+def test_the_literal_loop_counts_the_story_tokens_it_wrote_as_the_rollout_does(monkeypatch):
+    from bench import rollout as rollout_bench
+
+    class Tokenizer:
+        eot = 9
+
+    # Two groups of two rows after a prompt of 3: stories of 2 (ended), 3 (cut at the limit), 1 and 1.
+    written = iter([torch.tensor([[1, 1, 1, 5, 9, 9], [1, 1, 1, 5, 6, 7]]),
+                    torch.tensor([[2, 2, 2, 9, 9, 9], [2, 2, 2, 9, 9, 9]])])
+    monkeypatch.setattr(rollout_bench, "generate", lambda *args, **kwargs: next(written))
+    prompts = [torch.ones(2, 3, dtype=torch.long), 2 * torch.ones(2, 3, dtype=torch.long)]
+    assert rollout_bench.write_group_by_group(None, Tokenizer(), prompts, seed=0) == 2 + 3 + 1 + 1
 
 
 def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_operators(run_main, monkeypatch, capsys):
@@ -306,6 +320,22 @@ def test_peak_memory_is_in_megabytes():
     high_water_kb = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
                          if line.startswith("VmHWM:"))
     assert common.peak_memory_mb(torch.device("cpu")) == pytest.approx(high_water_kb / 1024, rel=0.1)
+
+
+def test_a_child_process_s_peak_memory_is_read_in_its_platform_s_unit(monkeypatch):
+    # bench/full_scale.py reads its steps' ru_maxrss: kilobytes on Linux, bytes on macOS.
+    monkeypatch.setattr(common.sys, "platform", "darwin")
+    assert common.max_resident_mb(3 * 2**20) == 3
+    monkeypatch.setattr(common.sys, "platform", "linux")
+    assert common.max_resident_mb(3 * 2**10) == 3
+
+
+def test_a_variant_that_fails_says_why_in_one_line(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('working')\nsys.exit('401 positions is more than the model\\'s context')\n")
+    with pytest.raises(SystemExit, match="^fails.py --variant cache failed: 401 positions is more than the model's "
+                                         "context$"):
+        common.run_variant(str(script), "cache")
 
 
 def test_timed_waits_for_the_device_before_it_starts_and_before_it_stops(monkeypatch):
