@@ -241,12 +241,14 @@ def main():
     rng = np.random.default_rng(SEED)  # the windows' draws
     if args.resume:
         checkpoint = read_checkpoint(folder)
+        made_by = checkpoint["made_by"]
+        # Pretraining's own checkpoint, with its optimizer's state (a final or copied model has none).
+        if made_by.get("script") != "train.py" or "optimizer" not in checkpoint:
+            raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; "
+                             "start without --resume")
         model = model_from(checkpoint, folder, device, tokenizer)
         optimizer = make_optimizer(model)
-        if "optimizer" not in checkpoint:
-            raise SystemExit(f"{folder} holds no optimizer state to resume from")
         optimizer.load_state_dict(checkpoint["optimizer"])
-        made_by = checkpoint["made_by"]
         step, elapsed = made_by["step"], made_by["seconds"]
         # The schedule is the one the run started with, whatever the command line says now.
         schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]

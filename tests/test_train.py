@@ -12,6 +12,7 @@ import devices
 import finetune
 import launch
 import train
+from checkpoints import load_checkpoint, save_checkpoint
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt
 from test_ppo import tiny_policy
@@ -207,6 +208,19 @@ def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(
     assert straight["config"]["dropout"] > 0
     for name, weights in straight["model"].items():
         assert torch.equal(resumed["model"][name], weights), name
+
+
+def test_resume_refuses_a_checkpoint_that_is_not_pretraining_s_own(workspace, workspace_tokenizer, tmp_path,
+                                                                    monkeypatch):
+    pretrain = four_steps_of_pretraining(workspace, monkeypatch)
+    model = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    folder = tmp_path / "checkpoints" / "pretrain"
+    # A final model copied in (no optimizer), and a GRPO rollout's checkpoint (another script's optimizer).
+    for made_by, optimizer in (({"script": "train.py", "step": 4}, None),
+                               ({"script": "grpo.py", "rollout": 1}, torch.optim.AdamW(model.parameters()))):
+        save_checkpoint(folder, model, workspace_tokenizer, made_by, optimizer)
+        with pytest.raises(SystemExit, match="holds no pretraining run's optimizer state to resume from; start without"):
+            pretrain(tmp_path, *CPU_FP32, "--resume")
 
 
 def test_a_resumed_run_keeps_the_precision_it_started_with(workspace, tmp_path, monkeypatch):
