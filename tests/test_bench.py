@@ -344,3 +344,32 @@ def test_timed_waits_for_the_device_before_it_starts_and_before_it_stops(monkeyp
     monkeypatch.setattr(common.time, "perf_counter", lambda: events.append("clock") or float(len(events)))
     result, seconds = common.timed(torch.device("cuda"), lambda: events.append("work") or 7)
     assert result == 7 and events == ["wait", "clock", "work", "wait", "clock"]
+
+
+def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main, monkeypatch, capsys):
+    from bench import words_asked
+    from files import read_instructions, read_words
+    from finetune import encode_example, first_uses, split_held_back
+    from tokenizer import load_tokenizer
+
+    monkeypatch.chdir(workspace)
+    tokenizer = load_tokenizer()
+    training, _ = split_held_back(read_instructions())
+    askable, nouns = read_words()
+    # Three words, asked as the first pass of the default seed asks them, are the file's own instructions.
+    encoded = [encode_example(tokenizer, example) for example in training]
+    first = sum(len(first_uses(tokenizer, example["words"], tokens[prompt:]))
+                for example, (tokens, prompt) in zip(training, encoded))
+    story_tokens = sum(len(tokens) - prompt for tokens, prompt in encoded)
+    share, prompt, cut = words_asked.what_the_words_change(
+        tokenizer, [example["story"] for example in training], askable, nouns, 3)
+    assert share == pytest.approx(first / story_tokens)
+    assert prompt == pytest.approx(sum(prompt for _, prompt in encoded) / len(encoded))
+    assert cut == sum(tokens[-1] != tokenizer.eot for tokens, _ in encoded)
+    # More words asked: more first uses, and a longer prompt.
+    more_share, more_prompt, _ = words_asked.what_the_words_change(
+        tokenizer, [example["story"] for example in training], askable, nouns, 8)
+    assert more_share > share and more_prompt > prompt
+    run_main(words_asked, "--words", "3", "8")
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 8"]
