@@ -89,9 +89,11 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
     # Made before data.py made the tokenizer again, the pairs' token numbers mean other things.
-    if settings.get("tokenizer") != tokenizer.fingerprint():
-        raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
-                         "make it again with python preferences.py")
+    made_with = settings.get("tokenizer")
+    if made_with != tokenizer.fingerprint():
+        why = "was made with another tokenizer than data/tokenizer.json" if made_with else \
+            "does not say which tokenizer made its tokens"
+        raise SystemExit(f"{path} {why}; make it again with python preferences.py")
     if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
         raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens; "
                          "make it again with python preferences.py")

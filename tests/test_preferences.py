@@ -88,6 +88,9 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
     with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):
         preferences.load_pairs(small_tokenizer, path)
     saved = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**saved, "settings": {"instructions": 16}}), encoding="utf-8")
+    with pytest.raises(SystemExit, match="does not say which tokenizer made its tokens; make it again"):
+        preferences.load_pairs(workspace_tokenizer, path)
     for damage in ({"chosen_tokens": "a story"}, {"rejected_tokens": [workspace_tokenizer.vocab_size]},
                    {"rejected_tokens": []}, {"instruction": None}):
         damaged = {**saved, "pairs": [*saved["pairs"][1:], {**saved["pairs"][0], **damage}]}
