@@ -39,7 +39,7 @@ import os
 import re
 from pathlib import Path
 
-from checkpoints import RUNS, model_from, read_checkpoint
+from checkpoints import RUNS, checkpoint_file, model_from, read_checkpoint
 from data import HELDOUT, WORD, read_heldout
 from devices import pick_device
 from files import atomic
@@ -142,11 +142,10 @@ def saved_name(path):
     """The file a model's results are saved in: its path under checkpoints/, joined by dashes
     (grpo-kl-0.05-rollout-10), so that two runs' rollout-10, or two folders named alike,
     never overwrite each other's; the same name from wherever the path is given."""
-    file = Path(os.path.normpath(path))  # inside/../model.pt is model.pt
-    file = file if file.suffix == ".pt" else file / "model.pt"
+    file = checkpoint_file(os.path.normpath(path))  # inside/../model.pt is model.pt
     own_name = [] if file.name == "model.pt" else [file.stem]
     whole = [*Path(os.path.abspath(file)).parent.parts[1:], *own_name]  # the drive or root left out
-    given = [part for part in [*file.parent.parts, *own_name] if part != ".."]
+    given = [part for part in [*file.parent.parts, *own_name] if part not in (file.anchor, "..")]
     below = whole[len(whole) - whole[::-1].index("checkpoints"):] if "checkpoints" in whole else []
     if below:
         return "-".join(below)

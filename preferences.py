@@ -80,7 +80,7 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"no {path}: make it with python preferences.py")
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        pairs, settings = saved["pairs"], saved["settings"]
+        pairs, settings = saved["pairs"], dict(saved["settings"])
         better = [p["chosen_reward"] > p["rejected_reward"] for p in pairs]
     except (ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"{path} is not a file of preference pairs ({type(error).__name__}: {error}); "
@@ -89,13 +89,16 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
     # Made before data.py made the tokenizer again, the pairs' token numbers mean other things.
-    made_with = settings.get("tokenizer")
-    if made_with != tokenizer.fingerprint():
-        why = "was made with another tokenizer than data/tokenizer.json" if made_with else \
-            "does not say which tokenizer made its tokens"
-        raise SystemExit(f"{path} {why}; make it again with python preferences.py")
+    if settings.get("tokenizer", tokenizer.fingerprint()) != tokenizer.fingerprint():
+        raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
+                         "make it again with python preferences.py")
     if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
         raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens; "
+                         "make it again with python preferences.py")
+    # A file from before the pairs recorded their tokenizer: each story's tokens must give its text.
+    if "tokenizer" not in settings and any(tokenizer.decode(pair["chosen_tokens"]) != pair.get("chosen")
+                                           for pair in pairs):
+        raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
                          "make it again with python preferences.py")
     if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")

@@ -190,6 +190,13 @@ def with_its_seeds(run, seeds):
 def panels(file, title, panels_of, groups):
     """A row of plots, one per (title, tag, x label); each of groups is (label, colour, runs): a
     run alone is a line, several runs (training seeds) a thin line each and their mean on top."""
+    # A run that stopped before it logged leaves an empty folder: nothing of it to draw.
+    groups = [(label, colour, [run for run in runs if any(scalars(run, tag)[0] for _, tag, _ in panels_of)])
+              for label, colour, runs in groups]
+    groups = [group for group in groups if group[2]]
+    if not groups:
+        print(f"nothing logged for {file} in runs/: skipping it")
+        return
     figure, axes = plt.subplots(1, len(panels_of), figsize=(4.3 * len(panels_of), 3.5), squeeze=False)
     axes = axes[0]
     for axis, (panel_title, tag, xlabel) in zip(axes, panels_of):

@@ -122,3 +122,18 @@ def test_a_run_that_stopped_before_it_logged_leaves_the_figure_as_it_was(tmp_pat
     plots.main()
     assert (tmp_path / "img" / "pretrain-loss.png").read_bytes() == b"the figure before"
     assert "nothing logged for pretrain-loss.png in runs/: skipping it" in capsys.readouterr().out
+
+
+def test_the_course_s_figures_leave_a_figure_as_it_was_when_its_runs_logged_nothing(tmp_path, monkeypatch, capsys):
+    for run in ("pretrain", "finetune", "ppo/kl-0.05"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+    (tmp_path / "img").mkdir()
+    for file in ("course-training.png", "course-rl.png"):
+        (tmp_path / "img" / file).write_bytes(b"the figure before")
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    plots.course_figures(["course-training.png", "course-rl.png"], seeds=1)
+    for file in ("course-training.png", "course-rl.png"):
+        assert (tmp_path / "img" / file).read_bytes() == b"the figure before"
+    assert capsys.readouterr().out.count("nothing logged for course-") == 2
+

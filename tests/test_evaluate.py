@@ -1,6 +1,7 @@
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,6 +113,13 @@ def test_a_model_under_checkpoints_is_saved_under_one_name_from_wherever_it_is_g
     # Not rollout-10, which another run's rollout-10 would overwrite.
     monkeypatch.chdir("inside")
     assert evaluate.saved_name("../rollout-10.pt") == "grpo-kl-0.05-rollout-10"
+
+
+def test_a_model_given_by_its_whole_path_outside_checkpoints_is_saved_under_runs(tmp_path):
+    # Its whole path, the root left out: a name under runs/evaluate/, not a path from the root.
+    name = evaluate.saved_name(str(tmp_path / "mine"))
+    assert name == "-".join((tmp_path / "mine").parts[1:])
+    assert (Path("runs") / "evaluate" / f"{name}.json").parent == Path("runs") / "evaluate"
 
 
 def test_times_used_counts_every_form_of_a_word():

@@ -88,8 +88,16 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
     with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):
         preferences.load_pairs(small_tokenizer, path)
     saved = json.loads(path.read_text(encoding="utf-8"))
-    path.write_text(json.dumps({**saved, "settings": {"instructions": 16}}), encoding="utf-8")
-    with pytest.raises(SystemExit, match="does not say which tokenizer made its tokens; make it again"):
+    # A file from before the pairs recorded their tokenizer: loaded where its tokens give its stories' text.
+    unrecorded = {key: value for key, value in saved["settings"].items() if key != "tokenizer"}
+    path.write_text(json.dumps({**saved, "settings": unrecorded}), encoding="utf-8")
+    assert preferences.load_pairs(workspace_tokenizer, path)[0] == saved["pairs"]
+    other_text = [{**saved["pairs"][0], "chosen": saved["pairs"][0]["chosen"] + " more"}, *saved["pairs"][1:]]
+    path.write_text(json.dumps({"settings": unrecorded, "pairs": other_text}), encoding="utf-8")
+    with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):
+        preferences.load_pairs(workspace_tokenizer, path)
+    path.write_text(json.dumps({**saved, "settings": ["not", "settings"]}), encoding="utf-8")
+    with pytest.raises(SystemExit, match="is not a file of preference pairs"):
         preferences.load_pairs(workspace_tokenizer, path)
     for damage in ({"chosen_tokens": "a story"}, {"rejected_tokens": [workspace_tokenizer.vocab_size]},
                    {"rejected_tokens": []}, {"instruction": None}):
