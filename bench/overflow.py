@@ -158,6 +158,10 @@ def main():
     args = parser.parse_args()
     if not args.chromium:
         parser.error("no chromium on PATH: install it (apt-get install chromium) or give --chromium PATH")
+    pages = sorted(page.stem for page in (ROOT / "docs").glob("*.md"))
+    unknown = sorted(set(args.pages or []) - set(pages))
+    if unknown:
+        parser.error(f"no page named {', '.join(unknown)}; the pages: {', '.join(pages)}")
 
     with tempfile.TemporaryDirectory() as temp:
         site, profile = Path(temp) / "site", Path(temp) / "profile"
@@ -175,11 +179,7 @@ def main():
         try:
             pages = pages_of(site)
             if args.pages:
-                names = {p.strip("/") or "index": p for p in pages}
-                unknown = sorted(set(args.pages) - set(names))
-                if unknown:
-                    raise SystemExit(f"no page named {', '.join(unknown)}; the pages: {', '.join(names)}")
-                pages = [names[name] for name in args.pages]
+                pages = [p for p in pages if (p.strip("/") or "index") in args.pages]
             for page in pages:
                 for width in WIDTHS:
                     dom = chromium(args.chromium, profile, f"{base}/frame?{width}&{page}",

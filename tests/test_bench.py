@@ -330,6 +330,53 @@ def test_a_child_process_s_peak_memory_is_read_in_its_platform_s_unit(monkeypatc
     assert common.max_resident_mb(3 * 2**10) == 3
 
 
+def test_a_full_scale_step_s_peak_memory_is_read_in_its_platform_s_unit(tmp_path, monkeypatch):
+    from bench import full_scale
+
+    (tmp_path / "step.py").write_text("print('done')\n")
+    monkeypatch.setattr(full_scale, "ROOT", tmp_path)
+    real_wait4 = os.wait4
+
+    def wait4(pid, options):  # the child as it ended, its ru_maxrss 3 MB in macOS's bytes
+        done, status, usage = real_wait4(pid, options)
+        return done, status, type("Usage", (), {"ru_maxrss": 3 * 2**20})()
+
+    monkeypatch.setattr(full_scale.os, "wait4", wait4)
+    monkeypatch.setattr(common.sys, "platform", "darwin")
+    seconds, first, peak_mb, lines = full_scale.run("step.py", [], None, tmp_path)
+    assert peak_mb == 3 and lines == ["done\n"]
+
+
+def test_the_bf16_drift_is_the_kl_estimate_grpo_makes(monkeypatch):
+    from bench import rollout as rollout_bench
+
+    # The fp32 model wrote the stories: r is the bf16 model's log p less the writer's, as grpo.py's ref - old.
+    exact, rounded = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    passes = iter([exact, rounded])
+    monkeypatch.setattr(rollout_bench, "rollout", lambda *args: ([[1]], [[2, 3]], [0.0]))
+    monkeypatch.setattr(rollout_bench, "pack", lambda *args: (None, None, torch.ones(1, 2)))
+    monkeypatch.setattr(rollout_bench, "token_logprobs", lambda *args: next(passes))
+    drift = rollout_bench.precision_drift(None, type("T", (), {"eot": 0})(), [], torch.device("cpu"))
+    r = rounded - exact
+    assert drift["kl_per_story"] == pytest.approx(float((torch.exp(r) - r - 1).sum()))
+
+
+def test_generate_s_tokens_are_bounded_by_the_context(tmp_path):
+    done = subprocess.run([sys.executable, "bench/generate.py", "--tokens", "238", "--device", "cpu"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--tokens from 1 to 237 (the context less the prompt)" in done.stderr
+
+
+def test_overflow_refuses_a_page_it_does_not_know_before_it_builds_the_site(monkeypatch, capsys):
+    from bench import overflow
+
+    monkeypatch.setattr(sys, "argv", ["overflow.py", "--chromium", "/bin/true", "--pages", "07-dpo.md", "07-dpo"])
+    monkeypatch.setattr(overflow.subprocess, "run", lambda *args, **kwargs: pytest.fail("it built the site"))
+    with pytest.raises(SystemExit):
+        overflow.main()
+    assert "no page named 07-dpo.md; the pages: 01-data, 02-lab" in capsys.readouterr().err
+
+
 def test_a_variant_that_fails_says_why_in_one_line(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nprint('working')\nsys.exit('401 positions is more than the model\\'s context')\n")
