@@ -89,20 +89,24 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
     # Made before data.py made the tokenizer again, the pairs' token numbers mean other things.
-    if settings.get("tokenizer", tokenizer.fingerprint()) != tokenizer.fingerprint():
+    if not made_with(tokenizer, pairs, settings):
         raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
                          "make it again with python preferences.py")
     if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
         raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens; "
                          "make it again with python preferences.py")
-    # A file from before the pairs recorded their tokenizer: each story's tokens must give its text.
-    if "tokenizer" not in settings and any(tokenizer.decode(pair["chosen_tokens"]) != pair.get("chosen")
-                                           for pair in pairs):
-        raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
-                         "make it again with python preferences.py")
     if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
     return pairs, settings
+
+
+def made_with(tokenizer, pairs, settings):
+    """Whether the pairs' tokens are this tokenizer's: by the fingerprint saved with them, or in a
+    file from before they recorded it, by each chosen story's tokens giving its text."""
+    if "tokenizer" in settings:
+        return settings["tokenizer"] == tokenizer.fingerprint()
+    return all(well_formed(pair, tokenizer.vocab_size) and tokenizer.decode(pair["chosen_tokens"]) == pair.get("chosen")
+               for pair in pairs)
 
 
 def well_formed(pair, vocab_size):
