@@ -80,7 +80,9 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"no {path}: make it with python preferences.py")
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        pairs, settings = saved["pairs"], dict(saved["settings"])
+        pairs, settings = saved["pairs"], saved["settings"]
+        if not isinstance(pairs, list) or not isinstance(settings, dict):
+            raise TypeError("pairs must be a list and settings a mapping")
         better = [p["chosen_reward"] > p["rejected_reward"] for p in pairs]
     except (ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"{path} is not a file of preference pairs ({type(error).__name__}: {error}); "
@@ -105,8 +107,8 @@ def made_with(tokenizer, pairs, settings):
     file from before they recorded it, by each chosen story's tokens giving its text."""
     if "tokenizer" in settings:
         return settings["tokenizer"] == tokenizer.fingerprint()
-    return all(well_formed(pair, tokenizer.vocab_size) and tokenizer.decode(pair["chosen_tokens"]) == pair.get("chosen")
-               for pair in pairs)
+    return all(tokenizer.decode(pair["chosen_tokens"]) == pair.get("chosen")
+               for pair in pairs if well_formed(pair, tokenizer.vocab_size))
 
 
 def well_formed(pair, vocab_size):

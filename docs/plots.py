@@ -201,7 +201,9 @@ def panels(file, title, panels_of, groups):
     axes = axes[0]
     for axis, (panel_title, tag, xlabel) in zip(axes, panels_of):
         for label, colour, runs in groups:
-            series = [scalars(run, tag) for run in runs]
+            # A seed that stopped before it logged this tag is left out of this panel's mean
+            # (none left: an empty line, which keeps the group's name in the legend).
+            series = [points for points in (scalars(run, tag) for run in runs) if points[0]]
             if len(series) > 1:
                 for steps, values in series:
                     axis.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8)

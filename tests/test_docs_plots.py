@@ -83,6 +83,39 @@ def test_a_panel_draws_each_seed_thin_and_their_mean_on_top(tmp_path, monkeypatc
     matplotlib.pyplot.close(figures[0])
 
 
+def test_a_seed_that_stopped_before_a_panel_s_tag_is_left_out_of_that_panel_s_mean(tmp_path, monkeypatch):
+    # The third seed stopped after its first evaluation, before any batch's margin.
+    for name, values in (("dpo", [1.0, 2.0]), ("dpo-seed-2", [3.0, 4.0])):
+        log_points(tmp_path / name, "dpo/margin", values)
+        log_points(tmp_path / name, "words/heldout", [0.3, 0.4])
+    log_points(tmp_path / "dpo-seed-3", "words/heldout", [0.3])
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda figure, file: figures.append(figure))
+    plots.panels("x.png", "t", [("words", "words/heldout", "step"), ("margin", "dpo/margin", "step")],
+                 [("DPO", "C0", ["dpo", "dpo-seed-2", "dpo-seed-3"])])
+    words, margin = (axis.get_lines() for axis in figures[0].axes)
+    assert words[-1].get_label() == "DPO, mean of 3 seeds"
+    assert margin[-1].get_label() == "DPO, mean of 2 seeds" and list(margin[-1].get_ydata()) == [2.0, 3.0]
+    matplotlib.pyplot.close(figures[0])
+
+
+def test_the_course_s_training_figure_draws_each_stage_from_its_own_tags(tmp_path, monkeypatch):
+    # Pretraining logs the valid loss, fine-tuning its two losses: each is drawn, in the panels it has.
+    log_points(tmp_path / "pretrain", "loss/valid", [3.0, 2.5])
+    log_points(tmp_path / "finetune", "loss/instructions", [2.75, 2.5])
+    log_points(tmp_path / "finetune", "loss/plain", [2.5, 2.25])
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda figure, file: figures.append(figure))
+    plots.course_figures(["course-training.png"], seeds=1)
+    drawn = [[(line.get_label(), list(line.get_ydata())) for line in axis.get_lines()] for axis in figures[0].axes]
+    assert drawn == [[("pretraining", [3.0, 2.5]), ("fine-tuning", [])],
+                     [("pretraining", []), ("fine-tuning", [2.75, 2.5])],
+                     [("pretraining", []), ("fine-tuning", [2.5, 2.25])]]
+    matplotlib.pyplot.close(figures[0])
+
+
 def test_a_figure_drawn_only_when_named_is_drawn_when_named(tmp_path, monkeypatch):
     log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/reward", [0.2, 0.3])
     log_points(tmp_path / "runs" / "grpo" / "kl-0.05", "rollout/kl", [1.0, 2.0])

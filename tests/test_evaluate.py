@@ -113,6 +113,9 @@ def test_a_model_under_checkpoints_is_saved_under_one_name_from_wherever_it_is_g
     # Not rollout-10, which another run's rollout-10 would overwrite.
     monkeypatch.chdir("inside")
     assert evaluate.saved_name("../rollout-10.pt") == "grpo-kl-0.05-rollout-10"
+    # A checkpoint saved under another name is a file, not a folder holding model.pt.
+    (tmp_path / "checkpoints" / "grpo" / "kl-0.05" / "mine.pth").write_bytes(b"")
+    assert evaluate.saved_name("../mine.pth") == "grpo-kl-0.05-mine"
 
 
 def test_a_model_given_by_its_whole_path_outside_checkpoints_is_saved_under_runs(tmp_path):

@@ -96,9 +96,15 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
     path.write_text(json.dumps({"settings": unrecorded, "pairs": other_text}), encoding="utf-8")
     with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):
         preferences.load_pairs(workspace_tokenizer, path)
-    path.write_text(json.dumps({**saved, "settings": ["not", "settings"]}), encoding="utf-8")
-    with pytest.raises(SystemExit, match="is not a file of preference pairs"):
+    # A damaged pair in such a file is refused as damaged, not as another tokenizer's.
+    damaged = [{**saved["pairs"][0], "chosen_tokens": "a story"}, *saved["pairs"][1:]]
+    path.write_text(json.dumps({"settings": unrecorded, "pairs": damaged}), encoding="utf-8")
+    with pytest.raises(SystemExit, match="not an instruction and two stories' tokens; make it again"):
         preferences.load_pairs(workspace_tokenizer, path)
+    for settings, pairs in ((["not", "settings"], saved["pairs"]), ([], saved["pairs"]), (saved["settings"], {})):
+        path.write_text(json.dumps({"settings": settings, "pairs": pairs}), encoding="utf-8")
+        with pytest.raises(SystemExit, match="is not a file of preference pairs"):
+            preferences.load_pairs(workspace_tokenizer, path)
     for damage in ({"chosen_tokens": "a story"}, {"rejected_tokens": [workspace_tokenizer.vocab_size]},
                    {"rejected_tokens": []}, {"instruction": None}):
         damaged = {**saved, "pairs": [*saved["pairs"][1:], {**saved["pairs"][0], **damage}]}
