@@ -80,7 +80,8 @@ def read_checkpoint(path):
     except Exception as error:  # torch raises several kinds for a damaged or unsafe file
         raise SystemExit(f"{file} is not a checkpoint that loads safely ({type(error).__name__}); "
                          f"make it again with {command}")
-    if not isinstance(checkpoint, dict) or not {"model", "config", "tokenizer", "made_by"} <= checkpoint.keys():
+    if not isinstance(checkpoint, dict) or not {"model", "config", "tokenizer", "made_by"} <= checkpoint.keys() \
+            or not isinstance(checkpoint["config"], dict) or not isinstance(checkpoint["made_by"], dict):
         raise SystemExit(f"{file} is not a checkpoint of this series; make it again with {command}")
     return checkpoint
 

@@ -170,8 +170,21 @@ def measured(run):
         step = re.fullmatch(rf"{re.escape(run)}-step-(\d+)", path.stem) or re.fullmatch(r"pretrain", path.stem)
         if step:
             probe = RUNS / "probe" / path.name
-            yield (int(step.group(1)) if step.groups() else 0, json.loads(path.read_text()),
-                   json.loads(probe.read_text()) if probe.exists() else None)
+            yield (int(step.group(1)) if step.groups() else 0,
+                   read_result(path, ("words_used_by_seed", "valid_loss"), "python evaluate.py"),
+                   read_result(probe, ("instruction_moves",), "python bench/instruction_probe.py")
+                   if probe.exists() else None)
+
+
+def read_result(path, keys, command):
+    """A model's saved figures, refused in one line if the file was cut or edited."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise SystemExit(f"{path} is damaged ({type(error).__name__}); measure the model again with {command}")
+    if not isinstance(result, dict) or not set(keys) <= result.keys():
+        raise SystemExit(f"{path} lacks {', '.join(keys)}; measure the model again with {command}")
+    return result
 
 
 # The course's figures (python course.py, any --seeds): its training curves, DPO's and each RL

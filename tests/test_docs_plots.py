@@ -170,3 +170,13 @@ def test_the_course_s_figures_leave_a_figure_as_it_was_when_its_runs_logged_noth
         assert (tmp_path / "img" / file).read_bytes() == b"the figure before"
     assert capsys.readouterr().out.count("nothing logged for course-") == 2
 
+
+@pytest.mark.parametrize("text, error", [('{"words_used_by_seed": [0.2', r"is damaged \(JSONDecodeError\)"),
+                                         ("{}", "lacks words_used_by_seed, valid_loss")])
+def test_a_damaged_result_is_refused_in_one_line(tmp_path, monkeypatch, text, error):
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "finetune-step-200.json").write_text(text)
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
+        list(plots.measured("finetune"))
+
