@@ -130,10 +130,10 @@ def model_name(path):
     """A model is named after its folder. A checkpoint saved along the way keeps its own
     name; a final model in a folder whose name starts with kl- is named after the folder
     above it, a dash, and the folder."""
-    path = Path(os.path.abspath(path))  # the folder's own name where the path is . or model.pt or ../
-    if path.suffix == ".pt" and path.name != "model.pt":
-        return path.stem
-    folder = path.parent if path.suffix == ".pt" else path
+    file = Path(os.path.abspath(checkpoint_file(path)))  # the folder's own name where the path is . or ../
+    if file.name != "model.pt":
+        return file.stem
+    folder = file.parent
     # ppo/kl-0.05 is named ppo-kl-0.05, and grpo/kl-0.05 grpo-kl-0.05: the two don't collide.
     return f"{folder.parent.name}-{folder.name}" if folder.name.startswith("kl-") else folder.name
 
@@ -141,17 +141,13 @@ def model_name(path):
 def saved_name(path):
     """The file a model's results are saved in: its path under checkpoints/, joined by dashes
     (grpo-kl-0.05-rollout-10), so that two runs' rollout-10, or two folders named alike,
-    never overwrite each other's; the same name from wherever the path is given."""
+    never overwrite each other's; elsewhere its whole path from the root. The same name from
+    wherever the path is given."""
     file = checkpoint_file(os.path.normpath(path))  # inside/../model.pt is model.pt
     own_name = [] if file.name == "model.pt" else [file.stem]
     whole = [*Path(os.path.abspath(file)).parent.parts[1:], *own_name]  # the drive or root left out
-    given = [part for part in [*file.parent.parts, *own_name] if part not in (file.anchor, "..")]
     below = whole[len(whole) - whole[::-1].index("checkpoints"):] if "checkpoints" in whole else []
-    if below:
-        return "-".join(below)
-    # Elsewhere, the path as given; where it has no folder of its own to name it (model.pt, .,
-    # ../model.pt, checkpoints itself), its whole path from the root.
-    return "-".join(given) if given and "checkpoints" not in given else "-".join(whole)
+    return "-".join(below or whole)
 
 
 def spread(values, form="{:.0%}"):

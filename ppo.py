@@ -187,6 +187,8 @@ def main():
     instructions = load_instructions()
     folder = CHECKPOINTS / "ppo" / name
     check_writable(folder, RUNS / "ppo" / name)  # now, not when the first checkpoint is saved
+    # A new run starts at rollout 0; --resume goes on from the run's last rollout checkpoint,
+    # with the rollouts, seconds and settings it had.
     rollout_count, seconds, started_with = 0, 0.0, {}
     if args.resume:
         checkpoint = resume(folder, policy, optimizer, rng, tokenizer)

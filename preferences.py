@@ -91,7 +91,7 @@ def load_pairs(tokenizer, path=PAIRS):
         raise SystemExit(f"{path} holds no pairs: every instruction's stories tied; "
                          "make it again with python preferences.py --instructions N, N larger")
     # Made before data.py made the tokenizer again, the pairs' token numbers mean other things.
-    if not made_with(tokenizer, pairs, settings):
+    if not same_tokenizer(tokenizer, pairs, settings):
         raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
                          "make it again with python preferences.py")
     if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
@@ -102,7 +102,7 @@ def load_pairs(tokenizer, path=PAIRS):
     return pairs, settings
 
 
-def made_with(tokenizer, pairs, settings):
+def same_tokenizer(tokenizer, pairs, settings):
     """Whether the pairs' tokens are this tokenizer's: by the fingerprint saved with them, or in a
     file from before they recorded it, by each chosen story's tokens giving its text."""
     if "tokenizer" in settings:

@@ -62,9 +62,9 @@ def main():
     parser.add_argument("--device")
     parser.add_argument("--variant", choices=["cache", "no-cache"], help="run one variant here (used internally)")
     args = parser.parse_args()
-    room = Config.context - PROMPT_LENGTH
+    room = Config.context - PROMPT_LENGTH + 1  # the last position's logits give one token more
     if args.stories < 1 or not 1 <= args.tokens <= room:
-        parser.error(f"--stories must be at least 1, and --tokens from 1 to {room} (the context less the prompt)")
+        parser.error(f"--stories must be at least 1, and --tokens from 1 to {room} (the context less the prompt, and one)")
     device = pick_device(args.device)
     if args.variant:
         print(json.dumps(measure(args.variant, args.stories, args.tokens, device)))

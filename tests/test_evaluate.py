@@ -83,7 +83,6 @@ def test_model_names(path, name):
     ("checkpoints/grpo/kl-0.05", "grpo-kl-0.05"),
     ("checkpoints/finetune/model.pt", "finetune"),
     ("old/checkpoints/finetune", "finetune"),
-    ("mine/finetune", "mine-finetune"),
 ])
 def test_saved_results_are_named_after_the_path_so_two_runs_never_collide(path, name):
     assert evaluate.saved_name(path) == name
@@ -115,7 +114,18 @@ def test_a_model_under_checkpoints_is_saved_under_one_name_from_wherever_it_is_g
     assert evaluate.saved_name("../rollout-10.pt") == "grpo-kl-0.05-rollout-10"
     # A checkpoint saved under another name is a file, not a folder holding model.pt.
     (tmp_path / "checkpoints" / "grpo" / "kl-0.05" / "mine.pth").write_bytes(b"")
-    assert evaluate.saved_name("../mine.pth") == "grpo-kl-0.05-mine"
+    assert (model_name("../mine.pth"), evaluate.saved_name("../mine.pth")) == ("mine", "grpo-kl-0.05-mine")
+
+
+def test_a_model_outside_checkpoints_is_saved_under_its_whole_path_from_wherever_it_is_given(tmp_path, monkeypatch):
+    (tmp_path / "mine" / "finetune" / "inside").mkdir(parents=True)
+    whole = "-".join((tmp_path / "mine" / "finetune").parts[1:])
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.saved_name("mine/finetune") == whole
+    monkeypatch.chdir(tmp_path / "mine" / "finetune" / "inside")
+    assert [evaluate.saved_name(path) for path in ("..", "../../finetune")] == [whole, whole]
+    # Another folder of the same name elsewhere is another file.
+    assert evaluate.saved_name("finetune") != whole
 
 
 def test_a_model_given_by_its_whole_path_outside_checkpoints_is_saved_under_runs(tmp_path):

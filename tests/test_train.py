@@ -168,8 +168,8 @@ def test_a_checkpoint_s_seconds_count_the_step_it_saves(workspace, tmp_path, mon
 
 def four_steps_of_pretraining(workspace, monkeypatch):
     """A run of train.py in a folder: the tests' tiny model, 4 steps, a checkpoint every 2,
-    stopped (KeyboardInterrupt) right after the checkpoint of stop_after_step; it returns the
-    final checkpoint."""
+    stopped (KeyboardInterrupt) right after the checkpoint of stop_after_step: run(folder, *args,
+    stop_after_step=None), which returns the final checkpoint."""
     launch.patch(monkeypatch.setattr, {})
     monkeypatch.setattr(train, "Config", lambda vocab_size: Config(vocab_size=vocab_size, **TINY))
     monkeypatch.setattr(train, "EVAL_EVERY", 2)
