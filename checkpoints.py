@@ -118,7 +118,7 @@ def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False, advi
     try:
         model = GPT(Config(**checkpoint["config"]))
         model.load_state_dict(checkpoint["model"])
-    except (TypeError, RuntimeError) as error:
+    except (TypeError, ValueError, RuntimeError) as error:
         lines = str(error).strip().splitlines()
         reason = lines[1] if len(lines) > 1 else lines[0]  # the first line only names the class
         # One short line: a list of missing weights runs to kilobytes.

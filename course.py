@@ -36,7 +36,7 @@ from evaluate import model_name, saved_name, spread, table
 from files import DATA, atomic
 from ppo import LR
 from preferences import PAIRS
-from rl import run_name
+from rl import rollout_checkpoints, run_name
 from sample import MAX_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent
@@ -79,7 +79,7 @@ class Step:
     output: Path = None  # the file that shows the step is done; None: the step runs every time
     made_from: Path = None  # the earlier step's output that this one is made from
     needs: str = None  # a module the step needs that requirements.txt doesn't install
-    resumes_from: str = None  # the checkpoints, in the output's folder, an interrupted run goes on from (--resume)
+    resumes_from: object = None  # folder -> the checkpoints there an interrupted run goes on from (--resume)
 
 
 def training_seeds(count):
@@ -106,7 +106,8 @@ def course(budget, seeds=1, source=None, device=None):
     def trained(name, command, folder, made_from):
         """A training step, then the evaluation of the model it made."""
         # Pretraining saves its model with its optimizer, PPO and GRPO each tenth rollout: they can go on.
-        resumes_from = {"train.py": "model.pt", "ppo.py": "rollout-*.pt", "grpo.py": "rollout-*.pt"}.get(command[0])
+        resumes_from = {"train.py": pretraining_checkpoint, "ppo.py": rollout_checkpoints,
+                        "grpo.py": rollout_checkpoints}.get(command[0])
         return [Step(name, [*command, *device], final(folder), made_from, resumes_from=resumes_from),
                 Step(f"evaluation of {model_name(folder)}", ["evaluate.py", str(folder), *measure, *device],
                      evaluation(folder), final(folder))]
@@ -189,6 +190,11 @@ def save_record(record):
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
+def pretraining_checkpoint(folder):
+    """Pretraining's checkpoint, if there is one: its model.pt holds the optimizer too."""
+    return [path for path in [folder / "model.pt"] if path.exists()]
+
+
 def without_device(command):
     """A command as shown, without its --device: a checkpoint loads on any."""
     return re.sub(r" --device \S+", "", command)
@@ -206,7 +212,7 @@ def left_off(step, record):
         return None
     if without_device(made["command"]) != without_device(shown(step.command)):
         return None
-    saved = [p.stat().st_mtime for p in step.output.parent.glob(step.resumes_from)]
+    saved = [p.stat().st_mtime for p in step.resumes_from(step.output.parent)]
     if not saved or max(saved) < made.get("first_started", made["started"]):
         return None
     if step.made_from and step.made_from.exists() and max(saved) < step.made_from.stat().st_mtime:

@@ -246,20 +246,19 @@ def course_figures(files, seeds):
     training = [(label, colours[i], [run]) for i, (label, run) in enumerate((("pretraining", "pretrain"),
                                                                              ("fine-tuning", "finetune")))
                 if (RUNS / run).exists()]
-    if "course-training.png" in files and training:
+    if "course-training.png" in files:
         panels("course-training.png", "The course: pretraining, then fine-tuning",
                [("pretraining: loss on valid stories", "loss/valid", "step"),
                 ("fine-tuning: held-back instructions", "loss/instructions", "step"),
                 ("fine-tuning: plain valid stories", "loss/plain", "step")], training)
     dpo = with_its_seeds("dpo", seeds)
-    if "course-dpo.png" in files and dpo:
+    if "course-dpo.png" in files:
         panels("course-dpo.png", "The course: DPO, each training seed and their mean",
                [("words used, held-out instructions", "words/heldout", "step"),
                 ("reward margin on each batch of pairs", "dpo/margin", "step")],
                [("DPO", colours[2], dpo)])
     rl = [(label, colours[3 + i], with_its_seeds(run, seeds)) for i, (run, label) in enumerate(COURSE_RL.items())]
-    rl = [group for group in rl if group[2]]
-    if "course-rl.png" in files and rl:
+    if "course-rl.png" in files:
         panels("course-rl.png", "The course: PPO and GRPO, each training seed and their mean",
                [("reward of each rollout", "rollout/reward", "rollout"),
                 ("KL from the fine-tuned model, per story", "rollout/kl", "rollout"),

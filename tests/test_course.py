@@ -412,3 +412,20 @@ def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert ["grpo.py", "--minutes", "1", "--kl", "0.05", "--resume"] in scripts.commands
+
+
+def test_a_copy_of_a_rollout_checkpoint_under_another_name_is_not_a_run_to_go_on_from(learner, monkeypatch):
+    # grpo.py --resume reads only rollout-N.pt: the course must not send it there for a copy.
+    made_an_hour_ago(learner, "data/valid.bin", "checkpoints/pretrain/model.pt", "checkpoints/finetune/model.pt")
+    now = time.time()
+    folder = learner / "checkpoints" / "grpo" / "kl-0.05"
+    folder.mkdir(parents=True)
+    (folder / "rollout-10 (copy).pt").write_bytes(b"a learner's copy")
+    os.utime(folder / "rollout-10 (copy).pt", (now - 50, now - 50))
+    (learner / "runs").mkdir()
+    course.save_record({"GRPO, KL 0.05": {"command": "python grpo.py --minutes 1 --kl 0.05", "started": now - 100,
+                                          "minutes": None}})
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert ["grpo.py", "--minutes", "1", "--kl", "0.05"] in scripts.commands
+    assert not any("--resume" in command for command in scripts.commands)

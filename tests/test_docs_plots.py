@@ -180,3 +180,14 @@ def test_a_damaged_result_is_refused_in_one_line(tmp_path, monkeypatch, text, er
     with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
         list(plots.measured("finetune"))
 
+
+
+def test_the_course_s_figures_with_no_runs_at_all_each_say_so(tmp_path, monkeypatch, capsys):
+    # A learner who draws before the course has trained anything learns why nothing was drawn.
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", "--course"])
+    plots.main()
+    out = capsys.readouterr().out
+    assert all(f"nothing logged for {file} in runs/" in out for file in plots.COURSE_FIGURES)
+    assert not any((tmp_path / "img").iterdir())
