@@ -6,6 +6,7 @@ Benchmark: how fast the tokenizer trains and encodes, on the train stories in da
 Prints the seconds to train VOCAB_SIZE tokens, and megabytes per second to encode the
 train stories: once with an empty cache (every word's merges worked out), once warm.
 """
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,9 @@ from files import DATA  # noqa: E402
 
 
 def main():
+    argparse.ArgumentParser(description="Time training the tokenizer on data/train.txt, and encoding it.").parse_args()
+    if not (DATA / "train.txt").exists():
+        raise SystemExit(f"no {DATA / 'train.txt'}: make it with python data.py --source PATH (or python data.py)")
     texts = list(stories(DATA / "train.txt"))
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     print(f"machine: {machine()}")

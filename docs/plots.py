@@ -7,10 +7,9 @@ runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16),
     python docs/plots.py --course     # the course's figures (course.py draws them), from its runs
 
 Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
-they are. Episode 16's step 8 (GRPO and PPO) and episode 7's step 5 (DPO) ran again from
-another fine-tuned model, into the folders of the earlier figures' runs, so their figures
-are drawn only when named (ONLY_WHEN_NAMED), and the earlier figures show whichever runs
-runs/ holds. matplotlib is needed only here, to redraw the plots; the series itself
+they are. Episode 16's step 8 (GRPO and PPO) and episode 7's step 5 (DPO), from episode 3's
+step 11 model, write into the same folders as the other figures' runs: their figures are
+drawn only when named (ONLY_WHEN_NAMED), and the others show whichever runs runs/ holds. matplotlib is needed only here, to redraw the plots; the series itself
 doesn't use it.
 """
 import argparse
@@ -49,13 +48,13 @@ PLOTS = [
 RL_RUNS = {"ppo/kl-0.05": "PPO, KL 0.05", "grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-1": "GRPO, KL 0.05, seed 1",
            "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2", "grpo/kl-0": "GRPO, KL 0",
            "grpo/kl-0-seed-1": "GRPO, KL 0, seed 1", "grpo/kl-0.05-lr-1e-05": "GRPO, KL 0.05, lr 1e-5"}
-# Episode 16, step 8: the runs made again from episode 3's step 11 model.
+# Episode 16, step 8: GRPO and PPO from episode 3's step 11 model.
 STEP_11_RUNS = {"grpo/kl-0.05": "GRPO, KL 0.05", "grpo/kl-0.05-seed-2": "GRPO, KL 0.05, seed 2",
                 "grpo/kl-0.05-seed-3": "GRPO, KL 0.05, seed 3", "ppo/kl-0.05": "PPO, KL 0.05",
                 "ppo/kl-0.05-seed-2": "PPO, KL 0.05, seed 2"}
 # Episode 7, step 5: DPO from the step 11 model, three orders of the pairs (dpo.py --seed).
 DPO_STEP_11_RUNS = {"dpo": "seed 1337", "dpo-seed-2": "seed 2", "dpo-seed-3": "seed 3"}
-# Figures drawn only when named, as their runs share folders with the earlier figures'.
+# Figures drawn only when named, as their runs share folders with RL_RUNS' and the DPO figures'.
 ONLY_WHEN_NAMED = (STEP_11_RUNS, DPO_STEP_11_RUNS)
 COMPARISONS = [
     ("rl-reward.png", "The reward of each rollout (its own 16 or 128 instructions)", "share of the words",

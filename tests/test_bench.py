@@ -420,3 +420,15 @@ def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main
     run_main(words_asked, "--words", "3", "8")
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 8"]
+
+
+def test_tokenizer_benchmark_times_the_train_stories_and_names_the_command_that_makes_them(
+        workspace, run_main, tmp_path, monkeypatch, capsys):
+    from bench import tokenizer as tokenizer_bench
+
+    run_main(tokenizer_bench)
+    out = capsys.readouterr().out
+    assert re.search(r"train stories: [\d,]+, [\d.]+ MB", out) and "encode and decode back, exact" in out
+    monkeypatch.chdir(tmp_path)  # no data/ yet
+    with pytest.raises(SystemExit, match=r"no data/train.txt: make it with python data.py"):
+        tokenizer_bench.main()

@@ -104,7 +104,7 @@ def test_a_pass_asks_each_story_asks_times_with_seeds_new_on_each_pass():
     def ask_seeds(seed):
         return {ask for epoch in range(20) for _, ask in finetune.a_pass(np.random.default_rng(0), 40, 2, epoch, seed)}
     assert not ask_seeds(2) & ask_seeds(3) and not ask_seeds(SEED) & ask_seeds(SEED + 1)
-    assert ask_seeds(SEED) == set(range(SEED, SEED + 40))  # the default's, as before
+    assert ask_seeds(SEED) == set(range(SEED, SEED + 40))  # the default seed's asks: SEED to SEED + 39
 
 
 NOUNS = {"kite", "river", "cake", "frog", "boat", "pond", "hat", "sun", "kites", "boats", "frogs"}
