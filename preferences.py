@@ -17,6 +17,7 @@ batch with no padding.
 import argparse
 import json
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -71,6 +72,20 @@ def make_pairs(model, tokenizer, examples, stories_per=STORIES, seed=SEED):
                           "chosen_tokens": group[chosen], "rejected_tokens": group[rejected],
                           "chosen_reward": rewards[chosen], "rejected_reward": rewards[rejected]})
     return pairs
+
+
+def what_they_differ_by(pairs, eot):
+    """What the pairs teach, printed: how many pairs use how many words on each side (the
+    commonest first), then each side's mean length in tokens and share of stories that end."""
+    print("| chosen story uses / rejected story uses | pairs |\n| --- | --- |")
+    uses = Counter((round(p["chosen_reward"] * len(p["words"])), round(p["rejected_reward"] * len(p["words"])))
+                   for p in pairs)
+    for (chosen, rejected), count in uses.most_common():
+        print(f"| {chosen} word{'s' if chosen > 1 else ''} / {rejected} | {count} |")
+    for side in ("chosen", "rejected"):
+        stories = [p[f"{side}_tokens"] for p in pairs]
+        print(f"the {side} stories: {np.mean([len(s) for s in stories]):.0f} tokens on average, "
+              f"{np.mean([s[-1] == eot for s in stories]):.0%} of them end")
 
 
 def load_pairs(tokenizer, path=PAIRS):
@@ -154,6 +169,7 @@ def main():
     chosen, rejected = (np.mean([p[f"{side}_reward"] for p in pairs]) for side in ("chosen", "rejected"))
     print(f"{len(pairs)} pairs in {PAIRS}; the chosen stories use {chosen:.0%} of their words on average, "
           f"the rejected {rejected:.0%}")
+    what_they_differ_by(pairs, tokenizer.eot)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ What asking each training story for more of its words (finetune.py --words N) ch
 the data fine-tuning reads: over one pass of the training stories (those finetune.py does
 not hold back), asked as its first pass asks them, the first uses of the asked words as a
 share of the story tokens (finetune.first_uses, what --first-use-weight would weigh), the
-prompt's mean length, and the examples cut at the context before their end-of-text.
+prompt's mean length, and the examples cut at the context before their end-of-text; and
+first, how many askable words the training stories use, all that --words can ask for.
 
     python bench/words_asked.py                  (3, 8, 16 and 24 words; seconds)
     python bench/words_asked.py --words 3 24
@@ -16,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import SEED  # noqa: E402
+from data import LOWERCASE_WORD, SEED  # noqa: E402
 from files import read_instructions, read_words  # noqa: E402
 from finetune import MAX_LENGTH, TUNE_POOL, a_pass, ask_anew, encode_example, first_uses, split_held_back  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -37,6 +38,11 @@ def what_the_words_change(tokenizer, stories, askable, nouns, words):
     return first / story_tokens, float(np.mean(prompts)), cut
 
 
+def askable_per_story(stories, askable):
+    """How many distinct askable words each story uses: the most that --words can ask of it."""
+    return [len(set(LOWERCASE_WORD.findall(story)) & askable) for story in stories]
+
+
 def main():
     parser = argparse.ArgumentParser(description="What asking each training story for more words changes in the data.")
     parser.add_argument("--words", type=int, nargs="+", default=[3, 8, 16, 24], help="words asked (default 3 8 16 24)")
@@ -48,6 +54,9 @@ def main():
     stories = [example["story"] for example in training]
     askable, nouns = read_words()
     print(f"one pass of the {len(stories):,} training stories")
+    counts = askable_per_story(stories, askable)
+    print(f"askable words a story uses: {np.mean(counts):.1f} on average, "
+          f"{np.mean(np.array(counts) >= 8):.1%} of the stories at least 8")
     print(f"| words asked | first uses, share of the story tokens | prompt, tokens | examples cut at {MAX_LENGTH} tokens "
           "(no end-of-text) |")
     print("| --- | --- | --- | --- |")

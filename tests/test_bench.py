@@ -395,6 +395,7 @@ def test_timed_waits_for_the_device_before_it_starts_and_before_it_stops(monkeyp
 
 def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main, monkeypatch, capsys):
     from bench import words_asked
+    from data import LOWERCASE_WORD
     from files import read_instructions, read_words
     from finetune import encode_example, first_uses, split_held_back
     from tokenizer import load_tokenizer
@@ -418,8 +419,13 @@ def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main
         tokenizer, [example["story"] for example in training], askable, nouns, 8)
     assert more_share > share and more_prompt > prompt
     run_main(words_asked, "--words", "3", "8")
-    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line)]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 8"]
+    # Every askable word a story uses, counted as data.py picks them: at least the three asked.
+    counts = [len(set(LOWERCASE_WORD.findall(example["story"])) & askable) for example in training]
+    assert min(counts) >= 3
+    assert f"askable words a story uses: {sum(counts) / len(counts):.1f} on average" in out
 
 
 def test_tokenizer_benchmark_times_the_train_stories_and_names_the_command_that_makes_them(

@@ -57,10 +57,27 @@ def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_
     assert settings["instructions"] == 16 and settings["stories"] == 3
     assert 0 < len(pairs) <= 16
     assert all(workspace_tokenizer.decode(p[f"{side}_tokens"]) == p[side] for p in pairs for side in ("chosen", "rejected"))
-    # The last line: each side's share of its words, on average over the pairs.
+    # Each side's share of its words, on average over the pairs; then what the pairs differ by.
     chosen, rejected = (sum(p[f"{side}_reward"] for p in pairs) / len(pairs) for side in ("chosen", "rejected"))
-    assert capsys.readouterr().out.splitlines()[-1].endswith(
-        f"the chosen stories use {chosen:.0%} of their words on average, the rejected {rejected:.0%}")
+    out = capsys.readouterr().out
+    assert f"the chosen stories use {chosen:.0%} of their words on average, the rejected {rejected:.0%}" in out
+    counted = [line for line in out.splitlines() if line.startswith("| ") and line.endswith(" |")][2:]
+    assert sum(int(line.split(" | ")[-1].strip(" |")) for line in counted) == len(pairs)
+
+
+def test_what_the_pairs_differ_by_counts_words_lengths_and_endings(capsys):
+    eot, words = 0, ["kite", "river", "brave"]
+    pairs = [{"words": words, "chosen_reward": 2 / 3, "rejected_reward": 1 / 3,
+              "chosen_tokens": [5, eot], "rejected_tokens": [5, 6, 7, eot]},
+             {"words": words, "chosen_reward": 1 / 3, "rejected_reward": 0.0,
+              "chosen_tokens": [5, 6, eot], "rejected_tokens": [5, 6, 7, 8, 9]},
+             {"words": words, "chosen_reward": 1 / 3, "rejected_reward": 0.0,
+              "chosen_tokens": [5, 6, 7, 8], "rejected_tokens": [5, eot]}]
+    preferences.what_they_differ_by(pairs, eot)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:4] == ["| 1 word / 0 | 2 |", "| 2 words / 1 | 1 |"]  # the commonest first
+    assert lines[4] == "the chosen stories: 3 tokens on average, 67% of them end"
+    assert lines[5] == "the rejected stories: 4 tokens on average, 67% of them end"
 
 
 def test_no_pairs_leave_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
