@@ -4,7 +4,7 @@ series model (14.6M parameters), with the KV cache and without it (the whole pre
 again for every new token). Weights are random: speed does not depend on them, and no
 story stops early, so every story gets its 200 tokens.
 
-    python bench/generate.py               (about 12 minutes on a 2-core CPU, most of it without the cache)
+    python bench/generate.py               (about 11 minutes on a 2-core CPU, most of it without the cache)
     python bench/generate.py --stories 16  (a quicker look)
 
 Each variant runs in a fresh process, so the peak memory it reports is its own.

@@ -8,7 +8,7 @@ costs about 6 floating-point operations per parameter per token (2 forward, 4 ba
 plus attention: 12 x layers x width x context per token (PaLM's appendix B). The token
 embedding counts, as it is also the output layer; the position embedding, a lookup, doesn't.
 
-    python bench/train.py        (about 3 minutes on a 2-core CPU)
+    python bench/train.py        (about a minute and a half on a 2-core CPU)
 
 Each variant runs in a fresh process, so the peak memory it reports is its own.
 """

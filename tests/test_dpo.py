@@ -11,6 +11,7 @@ import preferences
 from checkpoints import read_checkpoint
 from data import instruction
 from tokenizer import encode_prompt
+from train import learning_rate
 
 
 def fake_pairs(tokenizer, count=6):
@@ -89,9 +90,14 @@ def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys, mo
     monkeypatch.setattr(dpo, "pair_losses", lambda *args: losses.append(real_pair_losses(*args)[0]) or
                         real_pair_losses(*args))
     run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    rates, real_step = [], dpo.optimizer_step
+    monkeypatch.setattr(dpo, "optimizer_step", lambda model, optimizer, loss, lr: rates.append(lr) or
+                        real_step(model, optimizer, loss, lr))
     run_main(dpo, "--steps", "2", "--precision", "fp32", "--device", "cpu")
     made_by = read_checkpoint(workspace / "checkpoints" / "dpo")["made_by"]
     assert made_by["script"] == "dpo.py" and made_by["step"] == 2
+    # DPO's own schedule, not pretraining's: its warmup's first step, and never above its peak.
+    assert rates[0] == pytest.approx(learning_rate(0, 0.0, dpo.LR, dpo.MIN_LR, dpo.WARMUP)) and max(rates) <= dpo.LR
     # The script's own first step: its policy is still its reference, with dropout off in both,
     # so the loss is log 2 for every pair.
     assert len(losses) == 2

@@ -75,6 +75,28 @@ def test_loss_is_deepseekmath_equation_3():
     assert loss.item() == pytest.approx(equation_3(new, old, ref, advantages, lengths, kl=0.05), rel=1e-5)
 
 
+def test_the_gradient_is_that_of_the_loss_inside_the_clip_s_band_and_beyond_it():
+    # Central differences in float64 against autograd: where the two sides of the clip's min
+    # are equal (inside the band), the whole gradient must pass, not half of it.
+    g = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1.0] * n + [0.0] * (6 - n) for n in (6, 3, 5)], dtype=torch.float64)
+    old = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
+    new = (old + torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.15).requires_grad_()
+    ref = old + torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.2
+    advantages = torch.tensor([1.2, -0.7, 0.4], dtype=torch.float64)
+    loss_of = lambda new: grpo.grpo_loss(new, old, ref, advantages, mask, kl=0.05)[0]  # noqa: E731
+    (got,) = torch.autograd.grad(loss_of(new), new)
+    ratio = (new - old).exp().detach()
+    assert ((ratio - 1).abs() < grpo.CLIP).sum() > 5 and ((ratio - 1).abs() > grpo.CLIP).sum() > 2  # both cases
+    assert not ((ratio - 1).abs() - grpo.CLIP).abs().lt(1e-3).any()  # no ratio on the band's edge
+    expected, h = torch.zeros_like(got), 1e-6
+    for i, t in itertools.product(range(3), range(6)):
+        step = torch.zeros_like(got)
+        step[i, t] = h
+        expected[i, t] = (loss_of(new.detach() + step) - loss_of(new.detach() - step)) / (2 * h)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
 def kl_gradient(ref, kl):
     """The gradient of the loss on one minibatch against new, for a given reference."""
     g = torch.Generator().manual_seed(1)
@@ -130,6 +152,8 @@ def test_a_rollout_cuts_each_story_at_its_first_end_of_text_and_packs_its_tokens
     policy = torch.nn.Linear(1, 1)  # on the CPU: the rollout reads its device from it
     prompts, stories, rewards = grpo.rollout(policy, small_tokenizer, asks, np.random.default_rng(0), seed=0)
     assert len(stories) == grpo.PROMPTS * grpo.GROUP
+    # Exactly the tokens written after each prompt, to the first end-of-text: not the prompt's last.
+    assert stories == [(kite * 10)[:r + g % 3] + [eot] for g in range(grpo.PROMPTS) for r in range(grpo.GROUP)]
     lengths = {len(story) for story in stories}
     assert len(lengths) > 3  # the stories end at several steps
     for story, reward in zip(stories, rewards):
@@ -146,6 +170,8 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     out = capsys.readouterr().out
     rewards = rewards_printed(out)
     assert len(rewards) == 12 and sum(rewards[-3:]) > sum(rewards[:3]) + 0.15  # it learns the easy reward
+    # Each rollout trains in EPOCHS passes over its 128 stories, a minibatch at a time.
+    assert len(updates) == 12 * 2 * (128 // grpo.MINIBATCH) and grpo.EPOCHS == 2
     # Each rollout's first update, by the policy that wrote it: a ratio of exactly 1.
     for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
         assert torch.equal(update["ratio"] * update["mask"], update["mask"])

@@ -14,12 +14,14 @@ def log_softmax_by_autograd(logits, targets):
         -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def test_log_softmax_at_gives_the_log_softmax_and_its_gradient_across_slices_of_rows(monkeypatch):
-    monkeypatch.setattr(kernels, "CACHE_ROWS", 4)  # 3 x 5 = 15 rows: three slices of 4, one of 3
+# Slices of 4 rows: 15 rows end on a slice of 3, 13 on a slice of one row, 12 on a whole slice.
+@pytest.mark.parametrize("rows", [(3, 5), (1, 13), (3, 4)])
+def test_log_softmax_at_gives_the_log_softmax_and_its_gradient_across_slices_of_rows(monkeypatch, rows):
+    monkeypatch.setattr(kernels, "CACHE_ROWS", 4)
     generator = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(3, 5, 11, generator=generator, dtype=torch.float64)).requires_grad_()
-    targets = torch.randint(0, 11, (3, 5), generator=generator)
-    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    logits = (3 * torch.randn(*rows, 11, generator=generator, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 11, rows, generator=generator)
+    upstream = torch.randn(*rows, generator=generator, dtype=torch.float64)
     got = kernels.log_softmax_at(logits, targets)
     (got_grad,) = torch.autograd.grad(got, logits, upstream)
     expected = log_softmax_by_autograd(logits, targets)

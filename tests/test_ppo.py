@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
 import finetune
 import ppo
 import rl
@@ -12,6 +13,7 @@ import sample
 from checkpoints import read_checkpoint
 from devices import autocast
 from model import GPT, TINY, Config
+from tokenizer import encode_prompt
 
 
 def tiny_policy(vocab_size=50, seed=0):
@@ -141,7 +143,9 @@ def test_clip_stops_the_gradient_past_the_band_in_the_advantages_direction():
     loss, ratio = ppo.ppo_loss(new, old, new.detach(), advantages, torch.ones(1, 4), kl=0.0)
     loss.backward()
     assert new.grad[0, 0] == 0 and new.grad[0, 1] == 0
-    assert new.grad[0, 2] != 0 and new.grad[0, 3] != 0
+    # The others, the whole gradient of -ratio x advantage / 4 tokens: past the band against
+    # the advantage, and inside it, where the min's two sides are equal.
+    assert new.grad[0, 2].item() == pytest.approx(1.5 / 4) and new.grad[0, 3].item() == pytest.approx(-1 / 4)
     stats = rl.clip_stats(ratio, advantages, torch.ones(1, 4), ppo.CLIP)
     assert stats == {"clip_ratio/low": 0.25, "clip_ratio/high": 0.25, "clip_ratio/region": 0.5}
 
@@ -246,6 +250,30 @@ def test_a_rollout_draws_every_instruction_as_often_whatever_its_length(workspac
                for prompt in ppo.rollout(torch.nn.Linear(1, 1), workspace_tokenizer, asks, rng, seed)[0]]
     assert len(lengths) == 20 * 128
     assert lengths.count(19) / len(lengths) < 0.05  # 1% expected; 50% if each length were as likely
+
+
+def test_a_rollout_s_stories_are_the_tokens_written_after_each_prompt_to_the_first_end_of_text(
+        small_tokenizer, monkeypatch):
+    eot, words = small_tokenizer.eot, ["kite", "river", "brave"]
+    asks = {len(encode_prompt(small_tokenizer, "Story 0.")): [
+        (encode_prompt(small_tokenizer, f"Story {i}."), words) for i in range(10)]}
+    kite = small_tokenizer.encode(" a kite")
+
+    def writes_stories_that_end_at_different_steps(policy, prompts, max_new_tokens, **options):
+        # Row r of batch b writes r + b % 3 tokens of a kite, then ends; the rows that ended
+        # write end-of-text after, as generate pads them.
+        outs = []
+        for b, batch in enumerate(prompts):
+            rows = [(kite * 10)[:r + b % 3] + [eot] for r in range(len(batch))]
+            width = max(map(len, rows)) + 3
+            outs.append(torch.cat([batch, torch.tensor([row + [eot] * (width - len(row)) for row in rows])], dim=1))
+        return outs
+    monkeypatch.setattr(ppo, "generate", writes_stories_that_end_at_different_steps)
+    prompts, stories, rewards = ppo.rollout(torch.nn.Linear(1, 1), small_tokenizer, asks, np.random.default_rng(0), 0)
+    assert stories == [(kite * 10)[:r + b % 3] + [eot] for b in range(ppo.BATCHES) for r in range(ppo.PER_BATCH)]
+    assert rewards == [evaluate.words_used(small_tokenizer.decode(story), words) for story in stories]
+    _, _, mask = ppo.pack(prompts, stories, eot, "cpu")
+    assert mask.sum(dim=1).tolist() == [len(story) for story in stories]
 
 
 def test_hidden_channels_give_the_same_logits():
