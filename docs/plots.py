@@ -9,8 +9,8 @@ runs/evaluate/ into docs/img/, and the table of the RL runs (episodes 8 and 16),
 Each figure is drawn from the logs that runs/ holds now: naming figures leaves the others as
 they are. Episode 16's step 8 (GRPO and PPO) and episode 7's step 5 (DPO), from episode 3's
 step 11 model, write into the same folders as the other figures' runs: their figures are
-drawn only when named (ONLY_WHEN_NAMED), and the others show whichever runs runs/ holds. matplotlib is needed only here, to redraw the plots; the series itself
-doesn't use it.
+drawn only when named (ONLY_WHEN_NAMED), and the others show whichever runs runs/ holds.
+matplotlib is needed only here, to redraw the plots; the series itself doesn't use it.
 """
 import argparse
 import json
