@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,7 +81,7 @@ class Step:
     output: Path = None  # the file that shows the step is done; None: the step runs every time
     made_from: Path = None  # the earlier step's output that this one is made from
     needs: str = None  # a module the step needs that requirements.txt doesn't install
-    resumes_from: object = None  # folder -> the checkpoints there an interrupted run goes on from (--resume)
+    resumes_from: Callable = None  # folder -> the checkpoints there an interrupted run goes on from (--resume)
 
 
 def training_seeds(count):
@@ -193,7 +194,8 @@ def save_record(record):
 
 def pretraining_checkpoint(folder):
     """Pretraining's checkpoint, if there is one: its model.pt holds the optimizer too."""
-    return [path for path in [folder / "model.pt"] if path.exists()]
+    path = folder / "model.pt"
+    return [path] if path.exists() else []
 
 
 def without_device(command):

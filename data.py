@@ -247,10 +247,15 @@ def write_words(path, askable, nouns):
         tmp.write_text(json.dumps({"askable": sorted(askable), "nouns": sorted(nouns)}, indent=0) + "\n")
 
 
+def askable_in(story, askable):
+    """The askable words a story uses, each once, in order: what an instruction can ask of it."""
+    return sorted(set(LOWERCASE_WORD.findall(story)) & askable)
+
+
 def pick_words(story, askable, seed=SEED, count=3):
     """count distinct askable words that the story uses (all of them if it has fewer), the same
     for a story and a seed whatever the order of the file; None when the story has fewer than three."""
-    used = sorted(set(LOWERCASE_WORD.findall(story)) & askable)
+    used = askable_in(story, askable)
     if len(used) < 3:
         return None
     rng = random.Random(hashlib.sha256(f"{seed}:{story}".encode()).digest())

@@ -89,12 +89,12 @@ from train import CLIP as GRAD_CLIP  # noqa: F401
 
 BATCH = 16  # examples per step
 MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pretraining trained
-# A batch's positions, rounded up to a multiple: bf16 attention on a CPU runs forward 2.2 to 3.7
-# times as slow at some lengths as at their multiple of 16 (217 against 224: bench/attention.py).
+# A batch's positions, rounded up to a multiple: bf16 attention ran forward 2.2 to 3.7 times as slow
+# at some lengths as at their multiple of 16 on the CPUs bench/attention.py measured (217 against 224).
 ALIGN = 16
 LR = 1e-3  # the peak, pretraining's: the replay below keeps the stories that so large a rate would shake
 PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories
-SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (off: in episode 3's lab it raised no words used)
+SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (off: it did not raise the words used; episode 3's lab)
 WORDS = 24  # asked of each training story (the evaluation asks for three): more first uses to learn from
 STEPS = 1_000  # the budget: by then three training seeds each used 27% of the words or more
 MINUTES = 120  # at most: 1,000 steps took 45 to 60 on two CPU cores with fast bf16, 76 without

@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         # Each head takes an equal share of the embedding's channels.
-        if config.n_embd % config.n_head:
+        if config.n_head < 1 or config.n_embd % config.n_head:
             raise ValueError(f"n_embd {config.n_embd} does not split into {config.n_head} heads")
         self.n_head, self.dropout = config.n_head, config.dropout
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)

@@ -395,7 +395,6 @@ def test_timed_waits_for_the_device_before_it_starts_and_before_it_stops(monkeyp
 
 def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main, monkeypatch, capsys):
     from bench import words_asked
-    from data import LOWERCASE_WORD
     from files import read_instructions, read_words
     from finetune import encode_example, first_uses, split_held_back
     from tokenizer import load_tokenizer
@@ -422,10 +421,13 @@ def test_the_words_asked_table_counts_what_fine_tuning_reads(workspace, run_main
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 8"]
-    # Every askable word a story uses, counted as data.py picks them: at least the three asked.
-    counts = [len(set(LOWERCASE_WORD.findall(example["story"])) & askable) for example in training]
-    assert min(counts) >= 3
-    assert f"askable words a story uses: {sum(counts) / len(counts):.1f} on average" in out
+    # The askable words a story uses, each once: not capitalised, not part of a hyphenated word.
+    assert words_asked.askable_per_story(["The Kite flew over a river-bank with a brave frog, a brave frog."],
+                                         {"kite", "river", "brave", "frog", "flew"}) == [3]
+    counts = words_asked.askable_per_story([example["story"] for example in training], askable)
+    assert min(counts) >= 3  # every training story was asked for three
+    assert (f"askable words a story uses: {sum(counts) / len(counts):.1f} on average, "
+            f"{sum(count >= 8 for count in counts) / len(counts):.1%} of the stories at least 8") in out
 
 
 def test_tokenizer_benchmark_times_the_train_stories_and_names_the_command_that_makes_them(

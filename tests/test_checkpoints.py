@@ -97,10 +97,11 @@ def test_wrong_shaped_weights_are_refused_not_half_loaded(small_model, small_tok
         load_checkpoint(path)
     assert len(str(refused.value)) < 300 and "\n" not in str(refused.value)
     # Weights of the right shapes, but heads that do not split them: refused here, not in forward().
-    checkpoint["config"].update(n_layer=2, n_head=3)
-    torch.save(checkpoint, path)
-    with pytest.raises(SystemExit, match="does not match.*does not split into 3 heads"):
-        load_checkpoint(path)
+    for heads in (3, 0):
+        checkpoint["config"].update(n_layer=2, n_head=heads)
+        torch.save(checkpoint, path)
+        with pytest.raises(SystemExit, match=f"does not match.*does not split into {heads} heads"):
+            load_checkpoint(path)
 
 
 def test_a_model_whose_context_is_not_the_series_is_refused(small_tokenizer, tmp_path):

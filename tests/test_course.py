@@ -429,3 +429,14 @@ def test_a_copy_of_a_rollout_checkpoint_under_another_name_is_not_a_run_to_go_on
     take_course(monkeypatch, "--quick")
     assert ["grpo.py", "--minutes", "1", "--kl", "0.05"] in scripts.commands
     assert not any("--resume" in command for command in scripts.commands)
+
+
+def test_pretraining_stopped_before_its_first_checkpoint_starts_again(learner, monkeypatch):
+    made_an_hour_ago(learner, "data/valid.bin")
+    now = time.time()
+    (learner / "runs").mkdir()
+    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": now - 100,
+                                        "minutes": None}})
+    scripts = Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    assert scripts.commands[0] == ["train.py", "--minutes", "3"]

@@ -181,7 +181,6 @@ def test_a_damaged_result_is_refused_in_one_line(tmp_path, monkeypatch, text, er
         list(plots.measured("finetune"))
 
 
-
 def test_the_course_s_figures_with_no_runs_at_all_each_say_so(tmp_path, monkeypatch, capsys):
     # A learner who draws before the course has trained anything learns why nothing was drawn.
     monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")

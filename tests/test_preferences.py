@@ -66,16 +66,17 @@ def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_
 
 
 def test_what_the_pairs_differ_by_counts_words_lengths_and_endings(capsys):
-    eot, words = 0, ["kite", "river", "brave"]
-    pairs = [{"words": words, "chosen_reward": 2 / 3, "rejected_reward": 1 / 3,
-              "chosen_tokens": [5, eot], "rejected_tokens": [5, 6, 7, eot]},
-             {"words": words, "chosen_reward": 1 / 3, "rejected_reward": 0.0,
+    eot, three, five = 0, ["kite", "river", "brave"], ["kite", "river", "brave", "frog", "hat"]
+    # Words counted from each pair's own number of words; the commonest row first, though it sorts last.
+    pairs = [{"words": three, "chosen_reward": 1 / 3, "rejected_reward": 0.0,
               "chosen_tokens": [5, 6, eot], "rejected_tokens": [5, 6, 7, 8, 9]},
-             {"words": words, "chosen_reward": 1 / 3, "rejected_reward": 0.0,
+             {"words": five, "chosen_reward": 3 / 5, "rejected_reward": 2 / 5,
+              "chosen_tokens": [5, eot], "rejected_tokens": [5, 6, 7, eot]},
+             {"words": five, "chosen_reward": 3 / 5, "rejected_reward": 2 / 5,
               "chosen_tokens": [5, 6, 7, 8], "rejected_tokens": [5, eot]}]
     preferences.what_they_differ_by(pairs, eot)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2:4] == ["| 1 word / 0 | 2 |", "| 2 words / 1 | 1 |"]  # the commonest first
+    assert lines[2:4] == ["| 3 words / 2 | 2 |", "| 1 word / 0 | 1 |"]
     assert lines[4] == "the chosen stories: 3 tokens on average, 67% of them end"
     assert lines[5] == "the rejected stories: 4 tokens on average, 67% of them end"
 
