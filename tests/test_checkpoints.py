@@ -76,6 +76,9 @@ def test_pickle_that_would_run_code_is_refused(tmp_path, capsys):
     torch.save([1, 2, 3], path)  # loads safely, but is no checkpoint
     with pytest.raises(SystemExit, match="not a checkpoint of this series"):
         load_checkpoint(path)
+    torch.save({"model": {}, "config": {}}, path)  # a model of some other code: no tokenizer, nothing of who made it
+    with pytest.raises(SystemExit, match="not a checkpoint of this series"):
+        load_checkpoint(path)
     # Its keys, but what made it or its config not a mapping (a file edited by hand).
     for made_by, config in (("train.py", {}), ({}, "the series' model")):
         torch.save({"model": {}, "config": config, "tokenizer": "", "made_by": made_by}, path)

@@ -214,6 +214,10 @@ def test_instructions_read_back_as_written_and_bad_files_are_refused(prepared, t
     empty.write_text("")
     with pytest.raises(SystemExit, match="no instructions"):
         files.read_instructions(empty)
+    # Whole lines, but fewer of them than data.py wrote (a copy cut short): its manifest says so.
+    (prepared / "instructions.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(SystemExit, match="where data.py made"):
+        files.read_instructions(prepared / "instructions.jsonl")
 
 
 def test_token_files_hold_every_story_after_an_end_of_text(prepared):
@@ -365,3 +369,28 @@ def test_a_heldout_file_with_an_instruction_missing_is_refused(tmp_path):
     (tmp_path / "heldout.json").write_text(json.dumps(heldout))
     with pytest.raises(SystemExit, match="is not version 1"):
         data.read_heldout(tmp_path / "heldout.json")
+
+
+# ---------------------------------------------------------------- what makes a step run again
+
+
+def test_a_new_held_out_story_leaves_train_when_the_data_is_prepared_again(corpus, prepared):
+    # A held-out set that now holds a train story (a new heldout.json): the stories are split again.
+    askable = set(json.loads((prepared / "words.json").read_text())["askable"])
+    story = next(s for s in read(prepared / "train.txt") if data.ask(s, askable))
+    heldout = data.read_heldout(prepared / "heldout.json")
+    data.write_heldout(prepared / "heldout.json", [data.ask(story, askable), *heldout[1:]])
+    prepare(corpus, prepared)
+    assert story not in read(prepared / "train.txt") + read(prepared / "tune.txt")
+
+
+def test_a_deleted_words_file_is_made_again(corpus, prepared):
+    made = (prepared / "words.json").read_bytes()
+    (prepared / "words.json").unlink()
+    prepare(corpus, prepared)
+    assert (prepared / "words.json").read_bytes() == made
+
+
+def test_a_new_tokenizer_makes_the_token_files_again(corpus, prepared):
+    data.prepare(data.local_files(corpus), prepared, vocab_size=300, heldout=prepared / "heldout.json")
+    assert int(np.fromfile(prepared / "train.bin", dtype=np.uint16).max()) < 300

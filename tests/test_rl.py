@@ -220,3 +220,39 @@ def test_a_new_run_replaces_an_earlier_runs_checkpoints_once_it_has_saved_its_fi
     run_main(grpo, *args)
     assert sorted(p.name for p in folder.glob("rollout-*.pt")) == ["rollout-0.pt", "rollout-2.pt"]
     assert "the earlier run's later rollout checkpoints removed (2)" in capsys.readouterr().out
+
+
+def test_a_run_is_named_after_each_option_that_differs_from_its_default():
+    from types import SimpleNamespace
+    run = lambda **options: rl.run_name(SimpleNamespace(**{"kl": 0.05, "lr": ppo.LR, "seed": rl.SEED, **options}),
+                                        ppo.LR)  # noqa: E731
+    assert run() == "kl-0.05" and run(kl=0) == "kl-0"
+    assert run(lr=ppo.LR / 10) == f"kl-0.05-lr-{ppo.LR / 10:g}" and run(lr=ppo.LR * 10) == f"kl-0.05-lr-{ppo.LR * 10:g}"
+    assert run(seed=2) == "kl-0.05-seed-2"
+
+
+def test_the_clip_binds_only_past_the_band_in_the_advantage_s_direction():
+    # Past the band, on its edges (float64: exactly 1 - 0.2 and 1 + 0.2) and inside it, with an
+    # advantage of each sign: only two of the eight bind.
+    ratio = torch.tensor([[0.7, 0.8, 0.7, 1.3, 1.2, 1.3, 0.9, 1.1]], dtype=torch.float64)
+    advantages = torch.tensor([[-1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    stats = rl.clip_stats(ratio, advantages, torch.ones(1, 8, dtype=torch.float64), 0.2)
+    assert stats["clip_ratio/low"] == pytest.approx(1 / 8) and stats["clip_ratio/high"] == pytest.approx(1 / 8)
+
+
+def test_a_rollout_s_figures_are_logged_under_rollout(capsys):
+    logged = []
+    writer = SimpleWriter(logged)
+    rl.log_rollout(writer, 3, {"reward": 0.5, "kl": 1.0}, "reward 0.500")
+    assert logged == [("rollout/reward", 0.5, 3), ("rollout/kl", 1.0, 3)]
+    assert capsys.readouterr().out == "rollout 3: reward 0.500\n"
+
+
+class SimpleWriter:
+    """Stands in for TensorBoard's writer: each scalar as (tag, value, step)."""
+
+    def __init__(self, logged):
+        self.logged = logged
+
+    def add_scalar(self, tag, value, step):
+        self.logged.append((tag, value, step))

@@ -77,6 +77,17 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(SystemExit, match="damaged"):
             bpe.Tokenizer.load(path)
+    # Whole merges, but another split of the text, or a count of tokens that is not theirs.
+    whole = json.loads(path.read_text())
+    whole["merges"] = [list(pair) for pair in tokenizer.merges]
+    for other in ({"pattern": r"\S+"}, {"vocab_size": whole["vocab_size"] + 1}):
+        path.write_text(json.dumps({**whole, **other}))
+        with pytest.raises(SystemExit, match="damaged or from another tokenizer"):
+            bpe.Tokenizer.load(path)
+    for not_a_tokenizer in ([], {"merges": 5}):
+        path.write_text(json.dumps(not_a_tokenizer))
+        with pytest.raises(SystemExit, match="not a tokenizer file"):
+            bpe.Tokenizer.load(path)
     path.write_text(path.read_text()[:100])
     with pytest.raises(SystemExit, match="not a tokenizer file"):
         bpe.Tokenizer.load(path)
