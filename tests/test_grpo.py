@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_ppo import first_minibatches, recording_the_update, rewards_printed
+from test_ppo import first_minibatches, recording_the_update, rewards_printed, stories_that_end_at_different_steps
 
 import evaluate
 import grpo
@@ -137,18 +137,8 @@ def test_a_rollout_cuts_each_story_at_its_first_end_of_text_and_packs_its_tokens
     words = ["kite", "river", "brave"]
     asks = [(encode_prompt(small_tokenizer, f"Story {i}."), words) for i in range(grpo.PROMPTS)]
     kite = small_tokenizer.encode(" a kite")
-
-    def writes_stories_that_end_at_different_steps(policy, prompts, max_new_tokens, **options):
-        # Row r of group g writes r + g % 3 tokens of a kite, then ends; the rows that ended
-        # write end-of-text after, as the batch writes on, as generate pads them.
-        outs = []
-        for g, group in enumerate(prompts):
-            rows = [(kite * 10)[:r + g % 3] + [eot] for r in range(len(group))]
-            width = max(map(len, rows)) + 3
-            written = torch.tensor([row + [eot] * (width - len(row)) for row in rows])
-            outs.append(torch.cat([group, written], dim=1))
-        return outs
-    monkeypatch.setattr(grpo, "generate", writes_stories_that_end_at_different_steps)
+    # Row r of group g writes r + g % 3 tokens of a kite, then ends, and end-of-text after it.
+    monkeypatch.setattr(grpo, "generate", stories_that_end_at_different_steps(kite, eot))
     policy = torch.nn.Linear(1, 1)  # on the CPU: the rollout reads its device from it
     prompts, stories, rewards = grpo.rollout(policy, small_tokenizer, asks, np.random.default_rng(0), seed=0)
     assert len(stories) == grpo.PROMPTS * grpo.GROUP

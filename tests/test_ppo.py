@@ -252,23 +252,26 @@ def test_a_rollout_draws_every_instruction_as_often_whatever_its_length(workspac
     assert lengths.count(19) / len(lengths) < 0.05  # 1% expected; 50% if each length were as likely
 
 
-def test_a_rollout_s_stories_are_the_tokens_written_after_each_prompt_to_the_first_end_of_text(
-        small_tokenizer, monkeypatch):
-    eot, words = small_tokenizer.eot, ["kite", "river", "brave"]
-    asks = {len(encode_prompt(small_tokenizer, "Story 0.")): [
-        (encode_prompt(small_tokenizer, f"Story {i}."), words) for i in range(10)]}
-    kite = small_tokenizer.encode(" a kite")
-
-    def writes_stories_that_end_at_different_steps(policy, prompts, max_new_tokens, **options):
-        # Row r of batch b writes r + b % 3 tokens of a kite, then ends; the rows that ended
-        # write end-of-text after, as generate pads them.
+def stories_that_end_at_different_steps(kite, eot):
+    """Stands in for sample.generate: row r of batch b writes r + b % 3 tokens of a kite, then
+    ends; the rows that ended write end-of-text after, as generate pads them."""
+    def generate(policy, prompts, max_new_tokens, **options):
         outs = []
         for b, batch in enumerate(prompts):
             rows = [(kite * 10)[:r + b % 3] + [eot] for r in range(len(batch))]
             width = max(map(len, rows)) + 3
             outs.append(torch.cat([batch, torch.tensor([row + [eot] * (width - len(row)) for row in rows])], dim=1))
         return outs
-    monkeypatch.setattr(ppo, "generate", writes_stories_that_end_at_different_steps)
+    return generate
+
+
+def test_a_rollout_s_stories_are_the_tokens_written_after_each_prompt_to_the_first_end_of_text(
+        small_tokenizer, monkeypatch):
+    eot, words = small_tokenizer.eot, ["kite", "river", "brave"]
+    asks = {len(encode_prompt(small_tokenizer, "Story 0.")): [
+        (encode_prompt(small_tokenizer, f"Story {i}."), words) for i in range(10)]}
+    kite = small_tokenizer.encode(" a kite")
+    monkeypatch.setattr(ppo, "generate", stories_that_end_at_different_steps(kite, eot))
     prompts, stories, rewards = ppo.rollout(torch.nn.Linear(1, 1), small_tokenizer, asks, np.random.default_rng(0), 0)
     assert stories == [(kite * 10)[:r + b % 3] + [eot] for b in range(ppo.BATCHES) for r in range(ppo.PER_BATCH)]
     assert rewards == [evaluate.words_used(small_tokenizer.decode(story), words) for story in stories]
