@@ -248,7 +248,7 @@ def write_words(path, askable, nouns):
 
 
 def askable_in(story, askable):
-    """The askable words a story uses, each once, in order: what an instruction can ask of it."""
+    """The askable words a story uses, each once, in alphabetical order: what an instruction can ask of it."""
     return sorted(set(LOWERCASE_WORD.findall(story)) & askable)
 
 

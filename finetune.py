@@ -94,7 +94,8 @@ MAX_LENGTH = CONTEXT  # tokens of an example, prompt included: the positions pre
 ALIGN = 16
 LR = 1e-3  # the peak, pretraining's: the replay below keeps the stories that so large a rate would shake
 PLAIN_SHARE = 0.375  # of each batch: plain stories, the replay that keeps the loss on plain stories
-SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story (off: it did not raise the words used; episode 3's lab)
+# Off: swapping asked nouns did not raise the words used (episode 3's lab).
+SWAP = 0.0  # of the asked nouns: swapped for other nouns throughout the story
 WORDS = 24  # asked of each training story (the evaluation asks for three): more first uses to learn from
 STEPS = 1_000  # the budget: by then three training seeds each used 27% of the words or more
 MINUTES = 120  # at most: 1,000 steps took 45 to 60 on two CPU cores with fast bf16, 76 without

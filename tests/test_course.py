@@ -432,10 +432,10 @@ def test_a_copy_of_a_rollout_checkpoint_under_another_name_is_not_a_run_to_go_on
 
 
 def test_pretraining_stopped_before_its_first_checkpoint_starts_again(learner, monkeypatch):
+    # Interrupted before it saved anything, with no model.pt at all: it starts afresh, not --resume.
     made_an_hour_ago(learner, "data/valid.bin")
-    now = time.time()
     (learner / "runs").mkdir()
-    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": now - 100,
+    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": time.time() - 100,
                                         "minutes": None}})
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")

@@ -385,6 +385,7 @@ def test_a_new_held_out_story_leaves_train_when_the_data_is_prepared_again(corpu
 
 
 def test_a_deleted_words_file_is_made_again(corpus, prepared):
+    # words.json gone, the instructions step runs again and writes the same file.
     made = (prepared / "words.json").read_bytes()
     (prepared / "words.json").unlink()
     prepare(corpus, prepared)
@@ -392,5 +393,6 @@ def test_a_deleted_words_file_is_made_again(corpus, prepared):
 
 
 def test_a_new_tokenizer_makes_the_token_files_again(corpus, prepared):
+    # Prepared with 400 tokens: a tokenizer of 300 makes train.bin again, every id under 300.
     data.prepare(data.local_files(corpus), prepared, vocab_size=300, heldout=prepared / "heldout.json")
     assert int(np.fromfile(prepared / "train.bin", dtype=np.uint16).max()) < 300

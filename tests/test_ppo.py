@@ -253,8 +253,8 @@ def test_a_rollout_draws_every_instruction_as_often_whatever_its_length(workspac
 
 
 def stories_that_end_at_different_steps(kite, eot):
-    """Stands in for sample.generate: row r of batch b writes r + b % 3 tokens of a kite, then
-    ends; the rows that ended write end-of-text after, as generate pads them."""
+    """A stand-in for sample.generate whose row r of batch b writes r + b % 3 tokens of a kite,
+    then ends; the rows that ended write end-of-text after, as generate pads them."""
     def generate(policy, prompts, max_new_tokens, **options):
         outs = []
         for b, batch in enumerate(prompts):

@@ -3,6 +3,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -223,9 +224,8 @@ def test_a_new_run_replaces_an_earlier_runs_checkpoints_once_it_has_saved_its_fi
 
 
 def test_a_run_is_named_after_each_option_that_differs_from_its_default():
-    from types import SimpleNamespace
-    run = lambda **options: rl.run_name(SimpleNamespace(**{"kl": 0.05, "lr": ppo.LR, "seed": rl.SEED, **options}),
-                                        ppo.LR)  # noqa: E731
+    def run(**options):
+        return rl.run_name(SimpleNamespace(**{"kl": 0.05, "lr": ppo.LR, "seed": rl.SEED, **options}), ppo.LR)
     assert run() == "kl-0.05" and run(kl=0) == "kl-0"
     assert run(lr=ppo.LR / 10) == f"kl-0.05-lr-{ppo.LR / 10:g}" and run(lr=ppo.LR * 10) == f"kl-0.05-lr-{ppo.LR * 10:g}"
     assert run(seed=2) == "kl-0.05-seed-2"
@@ -240,14 +240,6 @@ def test_the_clip_binds_only_past_the_band_in_the_advantage_s_direction():
     assert stats["clip_ratio/low"] == pytest.approx(1 / 8) and stats["clip_ratio/high"] == pytest.approx(1 / 8)
 
 
-def test_a_rollout_s_figures_are_logged_under_rollout(capsys):
-    logged = []
-    writer = SimpleWriter(logged)
-    rl.log_rollout(writer, 3, {"reward": 0.5, "kl": 1.0}, "reward 0.500")
-    assert logged == [("rollout/reward", 0.5, 3), ("rollout/kl", 1.0, 3)]
-    assert capsys.readouterr().out == "rollout 3: reward 0.500\n"
-
-
 class SimpleWriter:
     """Stands in for TensorBoard's writer: each scalar as (tag, value, step)."""
 
@@ -256,3 +248,11 @@ class SimpleWriter:
 
     def add_scalar(self, tag, value, step):
         self.logged.append((tag, value, step))
+
+
+def test_a_rollout_s_figures_are_logged_under_rollout(capsys):
+    # course.py and docs/plots.py read them there (rollout/kl, rollout/reward).
+    logged = []
+    rl.log_rollout(SimpleWriter(logged), 3, {"reward": 0.5, "kl": 1.0}, "reward 0.500")
+    assert logged == [("rollout/reward", 0.5, 3), ("rollout/kl", 1.0, 3)]
+    assert capsys.readouterr().out == "rollout 3: reward 0.500\n"

@@ -84,13 +84,11 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
         path.write_text(json.dumps({**whole, **other}))
         with pytest.raises(SystemExit, match="damaged or from another tokenizer"):
             bpe.Tokenizer.load(path)
-    for not_a_tokenizer in ([], {"merges": 5}):
-        path.write_text(json.dumps(not_a_tokenizer))
+    # A file cut short, and JSON that holds no merges.
+    for not_a_tokenizer in (json.dumps(whole)[:100], "[]", '{"merges": 5}'):
+        path.write_text(not_a_tokenizer)
         with pytest.raises(SystemExit, match="not a tokenizer file"):
             bpe.Tokenizer.load(path)
-    path.write_text(path.read_text()[:100])
-    with pytest.raises(SystemExit, match="not a tokenizer file"):
-        bpe.Tokenizer.load(path)
 
 
 def test_a_chunk_takes_its_merges_in_the_order_training_learned_them():
