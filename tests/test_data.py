@@ -195,7 +195,10 @@ def test_a_source_without_stories_leaves_what_was_prepared(prepared, tmp_path):
 
 
 def test_a_damaged_heldout_file_is_refused(tmp_path):
-    for text in ("", '{"version": 1, "instr', "[]"):
+    whole = json.loads(data.HELDOUT.read_text(encoding="utf-8"))
+    # Damaged, not JSON of a held-out set, another version, or an instruction short.
+    for text in ("", '{"version": 1, "instr', "[]", json.dumps({**whole, "version": 2}),
+                 json.dumps({**whole, "instructions": whole["instructions"][1:]})):
         (tmp_path / "heldout.json").write_text(text)
         with pytest.raises(SystemExit, match="is not version 1"):
             data.read_heldout(tmp_path / "heldout.json")
@@ -307,6 +310,19 @@ def test_a_second_data_py_on_the_same_folder_is_refused(corpus, tmp_path, monkey
         pass
 
 
+@pytest.mark.parametrize("args, message", [(["--megabytes", "0"], "--megabytes must be a positive number"),
+                                           (["--source", "no-such-folder"], "no such file or folder")])
+def test_a_bad_source_or_size_is_refused_in_one_line_before_anything_is_read(args, message, tmp_path, monkeypatch,
+                                                                             capsys):
+    # --megabytes 0 would otherwise download the whole 2.2 GB.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(data, "download", lambda *a, **k: pytest.fail("it downloaded"))
+    monkeypatch.setattr("sys.argv", ["data.py", *args])
+    with pytest.raises(SystemExit) as stopped:
+        data.main()
+    assert message in str(stopped.value) + capsys.readouterr().err
+
+
 def test_an_out_that_is_a_file_is_refused_in_one_line(corpus, tmp_path, monkeypatch, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     monkeypatch.setattr("sys.argv", ["data.py", "--source", str(corpus), "--out", str(tmp_path / "notes.txt")])
@@ -390,6 +406,22 @@ def test_a_deleted_words_file_is_made_again(corpus, prepared):
     (prepared / "words.json").unlink()
     prepare(corpus, prepared)
     assert (prepared / "words.json").read_bytes() == made
+
+
+def test_an_input_edited_to_its_own_size_or_an_output_damaged_in_place_runs_its_step_again(corpus, prepared, capsys):
+    # The same number of bytes: the manifest tells them apart by the input's time, the output's hash.
+    source = corpus / "stories-valid.txt"
+    source.write_text(source.read_text().replace("Once upon", "Once apon", 1))
+    capsys.readouterr()
+    prepare(corpus, prepared)
+    assert "stories: up to date" not in capsys.readouterr().out
+    assert "Once apon" in (prepared / "valid.txt").read_text()
+    tokens = bytearray((prepared / "train.bin").read_bytes())
+    tokens[10] ^= 1
+    (prepared / "train.bin").write_bytes(bytes(tokens))
+    prepare(corpus, prepared)
+    out = capsys.readouterr().out
+    assert "tokens: up to date" not in out and (prepared / "train.bin").read_bytes() != bytes(tokens)
 
 
 def test_a_new_tokenizer_makes_the_token_files_again(corpus, prepared):

@@ -72,6 +72,7 @@ def test_a_last_consonant_doubles_before_ed_and_ing(word, doubled):
     ("checkpoints/finetune", "finetune"),
     ("checkpoints/finetune/model.pt", "finetune"),
     ("checkpoints/dpo/", "dpo"),
+    ("checkpoints/klaus", "klaus"),  # only a KL weight's folder, kl-, takes its parent's name
 ])
 def test_model_names(path, name):
     assert model_name(path) == name
@@ -83,6 +84,8 @@ def test_model_names(path, name):
     ("checkpoints/grpo/kl-0.05", "grpo-kl-0.05"),
     ("checkpoints/finetune/model.pt", "finetune"),
     ("old/checkpoints/finetune", "finetune"),
+    ("checkpoints/ppo/x/../kl-0.05", "ppo-kl-0.05"),  # the same folder, however it is written
+    ("checkpoints/old/checkpoints/finetune", "finetune"),  # below the last checkpoints/
 ])
 def test_saved_results_are_named_after_the_path_so_two_runs_never_collide(path, name):
     assert evaluate.saved_name(path) == name
