@@ -169,6 +169,17 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
     with pytest.raises(SystemExit, match="is not a rollout checkpoint"):
         rl.resume(tmp_path / "a-model", policy, optimizer, rng, workspace_tokenizer)
     assert all(torch.equal(weight, before[name]) for name, weight in policy.state_dict().items())
+    # A rollout checkpoint without its random state, or whose optimizer state is damaged.
+    rl.save_rollout(tmp_path / "no-random", 2, 0.0, policy, workspace_tokenizer, optimizer, rng, settings)
+    checkpoint = read_checkpoint(tmp_path / "no-random" / "rollout-2.pt")
+    torch.save({key: value for key, value in checkpoint.items() if key != "numpy_random"},
+               tmp_path / "no-random" / "rollout-2.pt")
+    with pytest.raises(SystemExit, match="is not a rollout checkpoint"):
+        rl.resume(tmp_path / "no-random", policy, optimizer, rng, workspace_tokenizer)
+    (tmp_path / "damaged").mkdir()
+    torch.save({**checkpoint, "optimizer": {"state": {}}}, tmp_path / "damaged" / "rollout-2.pt")
+    with pytest.raises(SystemExit, match="holds an optimizer of other weights"):
+        rl.resume(tmp_path / "damaged", policy, optimizer, rng, workspace_tokenizer)
 
 
 def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
