@@ -397,18 +397,26 @@ def test_the_report_gives_each_model_s_words_used_as_the_mean_over_its_held_out_
     assert "| DPO | 1 | 100 steps | 30% |" in course.summary(course.model_rows(1))
 
 
-def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_on(learner, monkeypatch):
+def grpo_interrupted_with(learner, older, this_sitting):
+    """GRPO with its penalty interrupted 100 seconds after the course started it, its folder
+    holding an older run's files and files saved 50 seconds ago, in this sitting."""
     made_an_hour_ago(learner, "data/valid.bin", "checkpoints/pretrain/model.pt", "checkpoints/finetune/model.pt")
     now = time.time()
     folder = learner / "checkpoints" / "grpo" / "kl-0.05"
     folder.mkdir(parents=True)
-    (folder / "rollout-30.pt").write_bytes(b"an older run's")
-    age(folder / "rollout-30.pt")
-    (folder / "rollout-10.pt").write_bytes(b"this sitting's")
-    os.utime(folder / "rollout-10.pt", (now - 50, now - 50))
+    for name in older:
+        (folder / name).write_bytes(b"an older run's")
+        age(folder / name)
+    for name in this_sitting:
+        (folder / name).write_bytes(b"this sitting's")
+        os.utime(folder / name, (now - 50, now - 50))
     (learner / "runs").mkdir()
     course.save_record({"GRPO, KL 0.05": {"command": "python grpo.py --minutes 1 --kl 0.05", "started": now - 100,
                                           "minutes": None}})
+
+
+def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_on(learner, monkeypatch):
+    grpo_interrupted_with(learner, older=["rollout-30.pt"], this_sitting=["rollout-10.pt"])
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert ["grpo.py", "--minutes", "1", "--kl", "0.05", "--resume"] in scripts.commands
@@ -416,15 +424,7 @@ def test_an_older_run_s_checkpoint_beside_this_sitting_s_does_not_stop_it_going_
 
 def test_a_copy_of_a_rollout_checkpoint_under_another_name_is_not_a_run_to_go_on_from(learner, monkeypatch):
     # grpo.py --resume reads only rollout-N.pt: the course must not send it there for a copy.
-    made_an_hour_ago(learner, "data/valid.bin", "checkpoints/pretrain/model.pt", "checkpoints/finetune/model.pt")
-    now = time.time()
-    folder = learner / "checkpoints" / "grpo" / "kl-0.05"
-    folder.mkdir(parents=True)
-    (folder / "rollout-10 (copy).pt").write_bytes(b"a learner's copy")
-    os.utime(folder / "rollout-10 (copy).pt", (now - 50, now - 50))
-    (learner / "runs").mkdir()
-    course.save_record({"GRPO, KL 0.05": {"command": "python grpo.py --minutes 1 --kl 0.05", "started": now - 100,
-                                          "minutes": None}})
+    grpo_interrupted_with(learner, older=[], this_sitting=["rollout-10 (copy).pt"])
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert ["grpo.py", "--minutes", "1", "--kl", "0.05"] in scripts.commands
