@@ -398,6 +398,8 @@ def main():
     args = parser.parse_args()
     if args.megabytes is not None and args.megabytes <= 0:
         parser.error("--megabytes must be a positive number")
+    if args.source and not Path(args.source).exists():  # before the data folder is made for it
+        parser.error(f"--source {args.source}: no such file or folder")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file: name a folder")

@@ -268,12 +268,14 @@ def main():
                              f"(default {SEED}; the held-back instructions are the same for every seed)")
     add_micro_batch(parser)
     args = parse_training_args(parser)
-    # Plain stories in each batch, the rest instructions (a share that is not between 0 and 1 is refused below).
-    plain_rows = round(args.plain_share * BATCH) if 0 <= args.plain_share <= 1 else -1
+    if not 0 <= args.plain_share <= 1:  # nan and inf too, before round() meets them
+        parser.error("--plain-share must be between 0 and 1")
+    # Plain stories in each batch, the rest instructions.
+    plain_rows = round(args.plain_share * BATCH)
     if not (0 < args.lr < 1 and args.asks >= 1 and (args.plain_share == 0 or 0 < plain_rows < BATCH)
             and 0 <= args.swap <= 1 and args.words >= 3 and 0 < args.first_use_weight < math.inf):
         parser.error(f"--lr must be between 0 and 1, --asks at least 1, --swap between 0 and 1, --words at least 3, "
-                     f"--first-use-weight above 0, and --plain-share 0 "
+                     f"--first-use-weight a finite number above 0, and --plain-share 0 "
                      f"or a share that leaves at least one plain story and one instruction in a batch of {BATCH}")
     name = run_name(args)
     folder = CHECKPOINTS / name

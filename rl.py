@@ -99,7 +99,7 @@ def save_rollout(folder, rollout, seconds, policy, tokenizer, optimizer, rng, se
         # A new run's first checkpoint (a resumed run saves no rollout 0): an earlier run's later
         # ones, left in the folder, would be what a --resume went on from. They go only now, so
         # a new run stopped before it saved anything leaves the earlier run whole.
-        earlier = rollout_checkpoints(folder)[1:]
+        earlier = [path for path in rollout_checkpoints(folder) if path.stem != "rollout-0"]
         for checkpoint in earlier:
             checkpoint.unlink()
         if earlier:
@@ -127,21 +127,22 @@ def resume(folder, policy, optimizer, rng, tokenizer):
         raise SystemExit(f"{reference} was made again after {saved[0]} was saved, so the run would go on against "
                          "another reference; start the run without --resume")
     checkpoint = read_checkpoint(saved[-1])
-    # Everything checked before anything is loaded: what only a rollout checkpoint holds (the
-    # optimizer and the random states), and weights made with this tokenizer (the model this run
-    # starts from was made with it), fitting their config and the model the run starts from.
+    # Everything checked before the policy takes any weight: what only a rollout checkpoint holds
+    # (the optimizer and the random states), and weights made with this tokenizer (the model this
+    # run starts from was made with it), fitting their config and the model the run starts from.
     afresh = "start the run without --resume"
     if not {"optimizer", "numpy_random", "torch_random"} <= checkpoint.keys():
         raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); {afresh}")
     resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
-    # The optimizer's state, refused if it is of other weights (PPO's, with its critic, in a GRPO run's folder).
+    # The optimizer's state, checked by loading it: refused if it is damaged or of other weights
+    # (PPO's, with its critic, in a GRPO run's folder).
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"{saved[-1]} holds an optimizer of other weights than this run trains "
-                         f"({type(error).__name__}); {afresh}")
+        raise SystemExit(f"{saved[-1]} holds an optimizer state that does not fit the weights this run trains "
+                         f"(damaged, or another script's: {type(error).__name__}); {afresh}")
     policy.load_state_dict(resumed.state_dict())
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])

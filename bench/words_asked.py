@@ -54,7 +54,7 @@ def main():
     stories = [example["story"] for example in training]
     askable, nouns = read_words()
     print(f"one pass of the {len(stories):,} training stories")
-    # 8: the fewest words the table below asks for, beyond the three of instructions.jsonl.
+    # 8: the fewest words the default table asks for beyond the three of instructions.jsonl.
     counts = askable_per_story(stories, askable)
     print(f"askable words a story uses: {np.mean(counts):.1f} on average, "
           f"{np.mean(np.array(counts) >= 8):.1%} of the stories at least 8")

@@ -361,7 +361,7 @@ def test_the_bf16_drift_is_the_kl_estimate_grpo_makes(monkeypatch):
     assert drift["kl_per_story"] == pytest.approx(float((torch.exp(r) - r - 1).sum()))
 
 
-def test_generate_s_tokens_are_bounded_by_the_context(tmp_path):
+def test_generate_s_tokens_are_bounded_by_the_context():
     done = subprocess.run([sys.executable, "bench/generate.py", "--stories", "1", "--tokens", "239", "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--tokens from 1 to 238 (the context less the prompt, and one)" in done.stderr

@@ -321,6 +321,7 @@ def test_a_bad_source_or_size_is_refused_in_one_line_before_anything_is_read(arg
     with pytest.raises(SystemExit) as stopped:
         data.main()
     assert message in str(stopped.value) + capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # no empty data folder left behind
 
 
 def test_an_out_that_is_a_file_is_refused_in_one_line(corpus, tmp_path, monkeypatch, capsys):

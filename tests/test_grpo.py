@@ -161,7 +161,7 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     rewards = rewards_printed(out)
     assert len(rewards) == 12 and sum(rewards[-3:]) > sum(rewards[:3]) + 0.15  # it learns the easy reward
     # Each rollout trains in EPOCHS passes over its 128 stories, a minibatch at a time.
-    assert len(updates) == 12 * 2 * (128 // grpo.MINIBATCH) and grpo.EPOCHS == 2
+    assert len(updates) == 12 * grpo.EPOCHS * (grpo.PROMPTS * grpo.GROUP // grpo.MINIBATCH)
     # Each rollout's first update, by the policy that wrote it: a ratio of exactly 1.
     for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
         assert torch.equal(update["ratio"] * update["mask"], update["mask"])

@@ -52,7 +52,7 @@ def test_a_pair_keeps_the_tokens_as_written_not_encoded_again(workspace_tokenize
 
 
 def test_pairs_are_saved_with_their_settings_and_read_back(workspace, workspace_tokenizer, run_main, capsys):
-    run_main(preferences, "--instructions", "16", "--stories", "3")
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
     pairs, settings = preferences.load_pairs(workspace_tokenizer, workspace / "data" / "preferences.json")
     assert settings["instructions"] == 16 and settings["stories"] == 3
     assert 0 < len(pairs) <= 16
@@ -82,11 +82,11 @@ def test_what_the_pairs_differ_by_counts_words_lengths_and_endings(capsys):
 
 
 def test_no_pairs_leave_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
-    run_main(preferences, "--instructions", "16", "--stories", "3")
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
     saved = (workspace / "data" / "preferences.json").read_bytes()
     monkeypatch.setattr(preferences, "make_pairs", lambda *args: [])  # every group tied
     with pytest.raises(SystemExit, match="no pairs"):
-        run_main(preferences, "--instructions", "16", "--stories", "3")
+        run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
     assert (workspace / "data" / "preferences.json").read_bytes() == saved
 
 
@@ -100,7 +100,7 @@ def test_damaged_pairs_file_is_refused(workspace_tokenizer, tmp_path):
 
 def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, workspace_tokenizer, small_tokenizer,
                                                                  run_main):
-    run_main(preferences, "--instructions", "16", "--stories", "3")
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
     path = workspace / "data" / "preferences.json"
     # The data made again since (another tokenizer): the pairs' token numbers mean other things.
     with pytest.raises(SystemExit, match="made with another tokenizer than data/tokenizer.json; make it again"):

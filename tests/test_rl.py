@@ -153,7 +153,7 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
     critic = torch.nn.Linear(policy.config.n_embd, 1)
     both = torch.optim.AdamW([*policy.parameters(), *critic.parameters()])
     rl.save_rollout(tmp_path / "ppo-s", 2, 0.0, policy, workspace_tokenizer, both, rng, {"script": "ppo.py"})
-    with pytest.raises(SystemExit, match="holds an optimizer of other weights than this run trains .*; start the run"):
+    with pytest.raises(SystemExit, match="holds an optimizer state that does not fit .*; start the run"):
         rl.resume(tmp_path / "ppo-s", policy, optimizer, rng, workspace_tokenizer)
     # Weights that don't fit their own config: the advice is the resume's, not the command that makes the file.
     checkpoint = read_checkpoint(tmp_path / "other-shape" / "rollout-2.pt")
@@ -178,7 +178,7 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
         rl.resume(tmp_path / "no-random", policy, optimizer, rng, workspace_tokenizer)
     (tmp_path / "damaged").mkdir()
     torch.save({**checkpoint, "optimizer": {"state": {}}}, tmp_path / "damaged" / "rollout-2.pt")
-    with pytest.raises(SystemExit, match="holds an optimizer of other weights"):
+    with pytest.raises(SystemExit, match="optimizer state that does not fit the weights this run trains .damaged"):
         rl.resume(tmp_path / "damaged", policy, optimizer, rng, workspace_tokenizer)
 
 
