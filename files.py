@@ -274,11 +274,16 @@ def lock(file):
 
 # ---------------------------------------------------------------- what data.py made, read back
 
+def require(path):
+    """Stops with the command that makes it when a file of the data folder is missing."""
+    if not Path(path).exists():
+        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+
+
 def read_words(path=DATA / "words.json"):
     """The askable words and the nouns among them, as data.py counted them in the train stories
     once, so that no script counts them again at its start."""
-    if not Path(path).exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    require(path)
     try:
         words = json.loads(Path(path).read_text())
         askable, nouns = set(words["askable"]), set(words["nouns"])
@@ -293,8 +298,7 @@ def read_words(path=DATA / "words.json"):
 def read_instructions(path=DATA / "instructions.jsonl", limit=None):
     """The training instructions, or the first `limit` of them, each a dict with words,
     instruction and story; read line by line, so that a limit reads no further than it needs."""
-    if not Path(path).exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    require(path)
     check_made(path)  # not cut short since data.py made it
     with open(path, encoding="utf-8") as file:
         try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from files import DATA, atomic
+from files import DATA, atomic, require
 
 VOCAB_SIZE = 5376  # 256 bytes, 5119 merges, and <|endoftext|>
 END_OF_TEXT = "<|endoftext|>"
@@ -182,8 +182,7 @@ def first_megabytes(texts, megabytes):
 
 def load_tokenizer(folder=DATA):
     path = Path(folder) / "tokenizer.json"
-    if not path.exists():
-        raise SystemExit(f"no tokenizer at {path}: make it with python data.py --source PATH (or python data.py)")
+    require(path)
     return Tokenizer.load(path)
 
 

@@ -42,7 +42,7 @@ import distributed
 from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, save_checkpoint
 from data import SEED
 from devices import autocast, default_precision, resumed_precision
-from files import DATA, check_made, check_writable
+from files import DATA, check_made, check_writable, require
 from model import GPT, Config
 from tokenizer import encode_prompt, load_tokenizer
 
@@ -102,8 +102,7 @@ def budget_used(seconds, minutes, step, steps):
 def load_tokens(split, folder=DATA):
     """data/train.bin or data/valid.bin as a memmap: read from disk as needed, never loaded whole."""
     path = folder / f"{split}.bin"
-    if not path.exists():
-        raise SystemExit(f"no {path}: make it with python data.py --source PATH (or python data.py)")
+    require(path)
     size = path.stat().st_size
     if size % 2 or size // 2 <= CONTEXT + 1:  # uint16 tokens, at least one window of them
         raise SystemExit(f"{path} is damaged or too short ({size:,} bytes); make it again with python data.py")

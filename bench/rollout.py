@@ -129,8 +129,8 @@ def precision_drift(policy, tokenizer, asks, device):
     # The KL of the bf16 model from the fp32 one that wrote the stories, estimated as grpo.py
     # estimates the policy's from the reference: r is the other model's log p less the writer's.
     r = rounded - exact
-    return {"mean_abs_per_token": float(((exact - rounded).abs() * mask).sum() / mask.sum()),
-            "ratio_spread": float(((torch.exp(rounded - exact) - 1).abs() * mask).sum() / mask.sum()),
+    return {"mean_abs_per_token": float((r.abs() * mask).sum() / mask.sum()),
+            "ratio_spread": float(((torch.exp(r) - 1).abs() * mask).sum() / mask.sum()),
             "kl_per_story": float(((torch.exp(r) - r - 1) * mask).sum(dim=1).mean())}
 
 

@@ -16,13 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tokenizer as bpe  # noqa: E402
 from data import stories  # noqa: E402
 from devices import machine  # noqa: E402
-from files import DATA  # noqa: E402
+from files import DATA, require  # noqa: E402
 
 
 def main():
     argparse.ArgumentParser(description="Time training the tokenizer on data/train.txt, and encoding it.").parse_args()
-    if not (DATA / "train.txt").exists():
-        raise SystemExit(f"no {DATA / 'train.txt'}: make it with python data.py --source PATH (or python data.py)")
+    require(DATA / "train.txt")
     texts = list(stories(DATA / "train.txt"))
     megabytes = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     print(f"machine: {machine()}")
