@@ -82,18 +82,22 @@ instead later maybe never nothing really someone something sometimes soon sure t
 """.split())
 WORD = re.compile(r"[a-z]+")  # a word of lowercased text, for the reward (evaluate.py)
 # A word written in lowercase as a whole, in cased text: not "nstead" in "Instead", not "immy"
-# in "Timmy", not "don" in "don't", not "ups" in "grown-ups". Names are capitalised, so never match.
-LOWERCASE_WORD = re.compile(r"(?<![\w'-])[a-z]+(?![\w'-])")
+# in "Timmy", not "don" in "don't" or "don’t" (the stories write both apostrophes), not "ups" in
+# "grown-ups". Names are capitalised, so never match.
+LOWERCASE_WORD = re.compile(r"(?<![\w'’-])[a-z]+(?![\w'’-])")
 # The words a noun comes after ("the kite", "his red kite"): an askable word within two words after
 # one of them in at least NOUN_SHARE of its uses is a noun, which fine-tuning's word swap may
 # replace by another noun and the story still reads (finetune.py --swap).
 DETERMINERS = frozenset("a an the his her my their our your its this that".split())
 NOUN_SHARE = 0.6
-ANY_WORD = re.compile(r"[A-Za-z']+")
-# Everything that decides which words are asked for: a change to any of it rebuilds the instructions.
-ASKING = {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
-          "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16],
-          "determiners": sorted(DETERMINERS), "noun_share": NOUN_SHARE}
+ANY_WORD = re.compile(r"[A-Za-z'’]+")
+
+
+def asking():
+    """Everything that decides which words are asked for: a change to any of it makes the instructions again."""
+    return {"seed": SEED, "rare": RARE, "common": COMMON, "fewest": FEWEST, "pattern": LOWERCASE_WORD.pattern,
+            "stop_words": hashlib.sha256(" ".join(sorted(STOP_WORDS)).encode()).hexdigest()[:16],
+            "determiners": sorted(DETERMINERS), "noun_share": NOUN_SHARE, "noun_pattern": ANY_WORD.pattern}
 
 
 # ---------------------------------------------------------------- getting the text
@@ -348,7 +352,7 @@ def prepare(files, out=DATA, vocab_size=bpe.VOCAB_SIZE, heldout=HELDOUT):
                                                tune_share=TUNE_SHARE, **({} if has_valid else {"valid_share": VALID_SHARE})),
              [train, tune, valid, heldout], lambda: make_stories(files, out, heldout))
     # 2. An instruction for each story kept for fine-tuning: what fine-tuning and the RL episodes train on.
-    run_step(out, "instructions", lambda: inputs_of(train, tune, **ASKING),
+    run_step(out, "instructions", lambda: inputs_of(train, tune, **asking()),
              [out / "instructions.jsonl", out / "words.json"], lambda: make_instructions(out))
     # 3. The tokenizer learns its merges from the train stories.
     run_step(out, "tokenizer", lambda: inputs_of(train, vocab_size=vocab_size, megabytes=TOKENIZER_MEGABYTES),

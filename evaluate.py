@@ -17,10 +17,12 @@ or a checkpoint file), three figures:
 
 The rule for a word: it counts when the story has it as a whole word, in any case, or one
 of its regular forms: -s (-es after s, x, z, ch, sh; -ies for a consonant and y), -ed and
--ing, with the usual spelling (bake: bakes, baked, baking; stop: stopped, stopping; cry:
-cries, cried, crying). Irregular forms don't count (run is not in "ran"), nor a word inside
-another ("rain" is not in "rainbow", "car" not in "card"). One slip remains, as the rule
-doesn't know English: "hop" counts in "hoped" and "hoping", the forms of "hope".
+-ing, with the usual spelling (bake: bakes, baked, baking; tie: tied, tying; agree: agreed,
+agreeing; stop: stopped, stopping; cry: cries, cried, crying). Irregular forms don't count
+(run is not in "ran"), nor a word inside another ("rain" is not in "rainbow", "car" not in
+"card"), nor another word's forms ("hop" is not in "hoped", which is hope's, nor "bee" in
+"being"). The rule doesn't know which words are verbs, so a noun gets forms no story writes
+("tree": "treeing"), which cost nothing.
 
 And two signs of reward hacking, for the RL episodes: stories that don't end (they run on
 to the limit, where a longer story has more chances to use a word), and how many times a
@@ -49,8 +51,11 @@ from train import load_tokens, valid_loss
 
 SEED = 0  # the same stories for a model every time it is measured
 VALID_WINDOWS = 512  # of valid.bin, for the loss on plain stories: a fixed cost whatever the data's size
-# A last consonant that doubles before -ed and -ing after a single vowel: stop, stopped.
+# A last consonant after a single vowel, which may double before -ed and -ing: stop, stopped.
 DOUBLES = re.compile(r"[^aeiou][aeiou][bdgklmnprt]$")
+# One group of vowels: a word of one syllable, whose last consonant does double (hop: hopped;
+# "hoped" is hope's). A longer word may not (open: opened; admit: admitted), so it takes both.
+ONE_SYLLABLE = re.compile(r"^[^aeiouy]*[aeiouy]+[^aeiouy]*$")
 
 
 def load_instructions(path=HELDOUT):
@@ -67,12 +72,18 @@ def forms(word):
         found |= {word[:-1] + "ies", word[:-1] + "ied"}
     else:
         found.add(word + "s")
-    if word.endswith("e"):
+    if word.endswith("ie"):  # tie: tied, tying
+        found |= {word + "d", word[:-2] + "ying"}
+    elif word.endswith(("ee", "ye", "oe")):  # agree: agreed, agreeing (and "bee" is not in "being")
+        found |= {word + "d", word + "ing"}
+    elif word.endswith("e"):  # bake: baked, baking
         found |= {word + "d", word[:-1] + "ing"}
-    else:
-        found |= {word + "ed", word + "ing"}
-    if DOUBLES.search(word):
+    elif DOUBLES.search(word) and ONE_SYLLABLE.search(word):  # stop: stopped, stopping
         found |= {word + word[-1] + "ed", word + word[-1] + "ing"}
+    elif DOUBLES.search(word):  # open: opened; admit: admitted
+        found |= {word + "ed", word + "ing", word + word[-1] + "ed", word + word[-1] + "ing"}
+    else:  # jump: jumped, jumping
+        found |= {word + "ed", word + "ing"}
     return found
 
 

@@ -256,6 +256,23 @@ def test_a_changed_valid_share_splits_again_only_a_source_without_a_valid_file(c
     assert capsys.readouterr().out.count("up to date") == 4
 
 
+@pytest.mark.parametrize("setting, value, made_again", [
+    ("TUNE_SHARE", 3, {"stories", "instructions", "tokenizer", "tokens"}),
+    ("NOUN_SHARE", 0.9, {"instructions"}),
+    ("ANY_WORD", re.compile(r"[A-Za-z]+"), {"instructions"}),
+    ("LOWERCASE_WORD", re.compile(r"\b[a-z]+\b"), {"instructions"}),
+    ("TOKENIZER_MEGABYTES", 1, {"tokenizer", "tokens"}),
+])
+def test_a_changed_setting_makes_its_step_and_the_steps_after_it_again(corpus, prepared, monkeypatch, capsys,
+                                                                       setting, value, made_again):
+    monkeypatch.setattr(data, setting, value)
+    capsys.readouterr()
+    prepare(corpus, prepared)
+    printed = capsys.readouterr().out
+    steps = {"stories", "instructions", "tokenizer", "tokens"}
+    assert {step for step in steps if f"{step}: up to date" not in printed} == made_again
+
+
 def test_changed_source_is_prepared_again(corpus, prepared, capsys):
     with gzip.open(corpus / "stories-train.txt.gz", "at") as f:
         f.write(f"A new story about a kite.\n{SEPARATOR}\n")
@@ -355,6 +372,19 @@ def test_a_word_counts_once_per_story_however_often_the_story_uses_it(tmp_path):
     (tmp_path / "train.txt").write_text("".join(f"{s}\n{SEPARATOR}\n" for s in stories), encoding="utf-8")
     askable = data.askable_words(tmp_path / "train.txt")
     assert "kite" in askable and "lantern" not in askable
+
+
+@pytest.mark.parametrize("apostrophe", ["'", "’"])
+def test_a_word_cut_by_an_apostrophe_is_never_asked_for_and_either_apostrophe_reads_alike(tmp_path, apostrophe):
+    # The stories write both apostrophes: "didn’t" is no more the word "didn" than "didn't" is,
+    # and "a dog’s kite" puts the kite two words after "a", as "a dog's kite" does.
+    stories = [f"Tom ran home, number {i}." for i in range(100)]
+    for i in range(6):
+        stories[i] += f" She didn{apostrophe}t see a dog{apostrophe}s kite."
+    (tmp_path / "train.txt").write_text("".join(f"{s}\n{SEPARATOR}\n" for s in stories), encoding="utf-8")
+    askable = data.askable_words(tmp_path / "train.txt")
+    assert askable == {"kite"} and data.nouns_among(tmp_path / "train.txt", askable) == {"kite"}
+    assert data.askable_in(stories[0], askable | {"didn", "dog"}) == ["kite"]
 
 
 def test_the_words_asked_of_a_story_are_the_same_in_every_process():

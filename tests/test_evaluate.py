@@ -42,7 +42,14 @@ def test_words_used_counts_whole_words_in_any_case(story, share):
     ("car", "A card.", False), ("win", "The wind.", False), ("ten", "They tend it.", False),
     ("car", "She cares.", False), ("rain", "The brain.", False),
     ("rain", "It rainned.", False), ("look", "He lookked.", False),  # two vowels: no doubling
-    ("hop", "She hoped.", True),  # the documented slip: hope's forms count for hop
+    ("tie", "He was tying it.", True), ("tie", "He tied it.", True), ("tie", "He was tiing it.", False),
+    ("agree", "They were agreeing.", True), ("agree", "They agreed.", True), ("eye", "Eyeing it.", True),
+    ("open", "She opened it.", True), ("admit", "He admitted it.", True), ("admit", "He admited it.", True),
+    ("travel", "They traveled.", True), ("travel", "They travelled.", True),
+    # Another word's forms: hope's, being, care's, hate's, stare's.
+    ("hop", "She hoped.", False), ("hop", "Hoping!", False), ("hop", "It hopped.", True),
+    ("bee", "It was being good.", False), ("car", "She cared.", False), ("hat", "He hated it.", False),
+    ("star", "They were staring.", False), ("star", "She starred.", True),
 ])
 def test_inflection_rule(word, story, used):
     assert words_used(story, [word]) == float(used)
