@@ -191,8 +191,7 @@ def main():
     # with the rollouts, seconds and settings it had.
     rollout_count, seconds, started_with = 0, 0.0, {}
     if args.resume:
-        checkpoint = resume(folder, policy, optimizer, rng, tokenizer)
-        critic.load_state_dict(checkpoint["critic"])
+        checkpoint = resume(folder, policy, optimizer, rng, tokenizer, critic=critic)
         made_by = checkpoint["made_by"]
         rollout_count, seconds, started_with = made_by["rollout"], made_by["seconds"], made_by["settings"]
     # bf16 where the device multiplies it faster; a resumed run in the precision it started in,

@@ -10,6 +10,7 @@ gives PPO's constants to what here needs them: rl_parser(description, LR), run_n
 LR), clip_stats(..., CLIP). The evaluation is DPO's (dpo.evaluate), counted in rollouts.
 """
 import argparse
+import copy
 import math
 import re
 import time
@@ -113,10 +114,11 @@ def rollout_checkpoints(folder):
     return sorted(saved, key=lambda path: int(path.stem.removeprefix("rollout-")))
 
 
-def resume(folder, policy, optimizer, rng, tokenizer):
-    """Loads the run's last rollout checkpoint into policy, optimizer and random state;
-    returns the checkpoint, whose made_by holds the rollouts and seconds so far. Under
-    torchrun every process loads the same one, and goes on drawing what the others draw."""
+def resume(folder, policy, optimizer, rng, tokenizer, **modules):
+    """Loads the run's last rollout checkpoint into policy, optimizer, random state and any
+    further modules it holds by name (PPO's critic); returns the checkpoint, whose made_by
+    holds the rollouts and seconds so far. Under torchrun every process loads the same one,
+    and goes on drawing what the others draw."""
     saved = rollout_checkpoints(folder)
     if not saved:
         raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
@@ -128,22 +130,33 @@ def resume(folder, policy, optimizer, rng, tokenizer):
                          "another reference; start the run without --resume")
     checkpoint = read_checkpoint(saved[-1])
     # Everything checked before the policy takes any weight: what only a rollout checkpoint holds
-    # (the optimizer and the random states), and weights made with this tokenizer (the model this
-    # run starts from was made with it), fitting their config and the model the run starts from.
+    # (the optimizer, the random states, the further modules), and weights made with this
+    # tokenizer (the model this run starts from was made with it), fitting their config and the
+    # model the run starts from.
     afresh = "start the run without --resume"
-    if not {"optimizer", "numpy_random", "torch_random"} <= checkpoint.keys():
-        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint (no optimizer or random state); {afresh}")
+    missing = [key for key in ("optimizer", "numpy_random", "torch_random", *modules) if key not in checkpoint]
+    if missing:
+        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint of this script (no {', '.join(missing)}); {afresh}")
     resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
-    # The optimizer's state, checked by loading it: refused if it is damaged or of other weights
-    # (PPO's, with its critic, in a GRPO run's folder).
-    try:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"{saved[-1]} holds an optimizer state that does not fit the weights this run trains "
-                         f"(damaged, or another script's: {type(error).__name__}); {afresh}")
+    # The random states and the further modules, checked on copies; the optimizer's state,
+    # checked by loading it: refused if damaged or of other weights (PPO's, with its critic, in
+    # a GRPO run's folder).
+    numpy_copy = copy.deepcopy(rng).bit_generator
+    checks = [("a NumPy random state", "numpy_random", lambda state: setattr(numpy_copy, "state", state)),
+              ("a torch random state", "torch_random", torch.Generator().set_state),
+              *[(f"a {name}", name, copy.deepcopy(module).load_state_dict) for name, module in modules.items()],
+              ("an optimizer state", "optimizer", optimizer.load_state_dict)]
+    for what, key, load in checks:
+        try:
+            load(checkpoint[key])
+        except (ValueError, KeyError, TypeError, RuntimeError) as error:
+            raise SystemExit(f"{saved[-1]} holds {what} that does not fit this run (damaged, or another script's: "
+                             f"{type(error).__name__}); {afresh}")
     policy.load_state_dict(resumed.state_dict())
+    for name, module in modules.items():
+        module.load_state_dict(checkpoint[name])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])
     made_by = checkpoint["made_by"]

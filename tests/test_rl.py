@@ -178,8 +178,33 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
         rl.resume(tmp_path / "no-random", policy, optimizer, rng, workspace_tokenizer)
     (tmp_path / "damaged").mkdir()
     torch.save({**checkpoint, "optimizer": {"state": {}}}, tmp_path / "damaged" / "rollout-2.pt")
-    with pytest.raises(SystemExit, match="optimizer state that does not fit the weights this run trains .damaged"):
+    with pytest.raises(SystemExit, match="holds an optimizer state that does not fit this run .damaged"):
         rl.resume(tmp_path / "damaged", policy, optimizer, rng, workspace_tokenizer)
+
+
+@pytest.mark.parametrize("key, damaged, what", [
+    ("numpy_random", {"bit_generator": "PCG64", "state": {"state": 1}}, "a NumPy random state"),
+    ("numpy_random", {"bit_generator": "MT19937", "state": {}}, "a NumPy random state"),
+    ("torch_random", torch.zeros(3, dtype=torch.uint8), "a torch random state"),
+    ("critic", {"weight": torch.zeros(1, 3)}, "a critic"),
+    ("critic", None, "no critic"),
+])
+def test_resume_refuses_a_damaged_random_state_or_module_before_anything_loads(workspace, workspace_tokenizer,
+                                                                             tmp_path, key, damaged, what):
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    critic = torch.nn.Linear(policy.config.n_embd, 1)
+    optimizer, rng = torch.optim.AdamW([*policy.parameters(), *critic.parameters()]), np.random.default_rng(0)
+    rl.save_rollout(tmp_path, 2, 0.0, GPT(policy.config), workspace_tokenizer, optimizer, rng, {"script": "ppo.py"},
+                    critic=torch.nn.Linear(policy.config.n_embd, 1).state_dict())
+    checkpoint = read_checkpoint(tmp_path / "rollout-2.pt")
+    torch.save({k: v for k, v in {**checkpoint, key: damaged}.items() if v is not None}, tmp_path / "rollout-2.pt")
+    before = [{name: weight.clone() for name, weight in module.state_dict().items()} for module in (policy, critic)]
+    drawn_before = rng.bit_generator.state
+    with pytest.raises(SystemExit, match=f"{what}.*; start the run without --resume$"):
+        rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer, critic=critic)
+    assert all(torch.equal(weight, weights[name]) for module, weights in zip((policy, critic), before)
+               for name, weight in module.state_dict().items())
+    assert rng.bit_generator.state == drawn_before
 
 
 def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
