@@ -111,7 +111,9 @@ def load_tokens(split, folder=DATA):
 
 
 def random_batch(tokens, rng, device, batch=BATCH, context=CONTEXT):
-    starts = rng.integers(0, len(tokens) - context - 1, size=batch)
+    """batch windows of context tokens, each with its next tokens as targets, from anywhere in
+    tokens: the last window's target is the file's last token."""
+    starts = rng.integers(0, len(tokens) - context, size=batch)  # the high end excluded
     windows = torch.from_numpy(np.stack([tokens[s:s + context + 1] for s in starts]).astype(np.int64))
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 

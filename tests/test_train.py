@@ -34,6 +34,12 @@ def test_a_window_s_targets_are_its_next_tokens():
     assert torch.equal(y, x + 1)  # in 0, 1, 2, ... each token's next is itself plus one
 
 
+def test_every_window_can_be_drawn_the_last_one_included():
+    tokens = np.arange(11, dtype=np.uint16)  # windows of 8 and their targets: three start at 0, 1 or 2
+    x, y = train.random_batch(tokens, np.random.default_rng(0), "cpu", batch=200, context=8)
+    assert set(x[:, 0].tolist()) == {0, 1, 2} and int(y.max()) == 10
+
+
 def test_the_schedule_follows_the_steps_when_there_are_some_else_the_minutes_which_always_cap_it():
     assert train.budget_used(30, 1, 0, None) == 0.5  # half a minute of one
     assert train.budget_used(30, 1, 8, 10) == 0.8  # 8 of 10 steps: the schedule follows the steps
