@@ -90,6 +90,8 @@ LOWERCASE_WORD = re.compile(r"(?<![\w'’-])[a-z]+(?![\w'’-])")
 # replace by another noun and the story still reads (finetune.py --swap).
 DETERMINERS = frozenset("a an the his her my their our your its this that".split())
 NOUN_SHARE = 0.6
+# A word as nouns_among counts them, apostrophes inside it: "dog’s" is one word, so "a dog’s
+# kite" puts the kite two words after "a".
 ANY_WORD = re.compile(r"[A-Za-z'’]+")
 
 

@@ -20,8 +20,9 @@ of its regular forms: -s (-es after s, x, z, ch, sh; -ies for a consonant and y)
 -ing, with the usual spelling (bake: bakes, baked, baking; tie: tied, tying; agree: agreed,
 agreeing; stop: stopped, stopping; cry: cries, cried, crying). Irregular forms don't count
 (run is not in "ran"), nor a word inside another ("rain" is not in "rainbow", "car" not in
-"card"), nor another word's forms ("hop" is not in "hoped", which is hope's, nor "bee" in
-"being"). The rule doesn't know which words are verbs, so a noun gets forms no story writes
+"card"), nor, mostly, another word's forms ("hop" is not in "hoped", which is hope's, nor
+"bee" in "being"). The rule knows spelling, not English: "bath" still counts in "bathing"
+and "breath" in "breathed" (bathe's and breathe's), and a noun gets forms no story writes
 ("tree": "treeing"), which cost nothing.
 
 And two signs of reward hacking, for the RL episodes: stories that don't end (they run on
@@ -53,9 +54,10 @@ SEED = 0  # the same stories for a model every time it is measured
 VALID_WINDOWS = 512  # of valid.bin, for the loss on plain stories: a fixed cost whatever the data's size
 # A last consonant after a single vowel, which may double before -ed and -ing: stop, stopped.
 DOUBLES = re.compile(r"[^aeiou][aeiou][bdgklmnprt]$")
-# One group of vowels: a word of one syllable, whose last consonant does double (hop: hopped;
-# "hoped" is hope's). A longer word may not (open: opened; admit: admitted), so it takes both.
-ONE_SYLLABLE = re.compile(r"^[^aeiouy]*[aeiouy]+[^aeiouy]*$")
+# A word's groups of vowels, one a syllable (y is a vowel where no vowel follows it: "sky", not
+# "crayon"). A word of one syllable doubles its last consonant (hop: hopped; "hoped" is hope's);
+# a longer word may not (open: opened; admit: admitted), so it takes both spellings.
+VOWEL_GROUPS = re.compile(r"(?:[aeiou]|y(?![aeiou]))+")
 
 
 def load_instructions(path=HELDOUT):
@@ -78,7 +80,7 @@ def forms(word):
         found |= {word + "d", word + "ing"}
     elif word.endswith("e"):  # bake: baked, baking
         found |= {word + "d", word[:-1] + "ing"}
-    elif DOUBLES.search(word) and ONE_SYLLABLE.search(word):  # stop: stopped, stopping
+    elif DOUBLES.search(word) and len(VOWEL_GROUPS.findall(word)) == 1:  # stop: stopped, stopping
         found |= {word + word[-1] + "ed", word + word[-1] + "ing"}
     elif DOUBLES.search(word):  # open: opened; admit: admitted
         found |= {word + "ed", word + "ing", word + word[-1] + "ed", word + word[-1] + "ing"}

@@ -144,16 +144,17 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     # checked by loading it: refused if damaged or of other weights (PPO's, with its critic, in
     # a GRPO run's folder).
     numpy_copy = copy.deepcopy(rng).bit_generator
-    checks = [("a NumPy random state", "numpy_random", lambda state: setattr(numpy_copy, "state", state)),
-              ("a torch random state", "torch_random", torch.Generator().set_state),
-              *[(f"a {name}", name, copy.deepcopy(module).load_state_dict) for name, module in modules.items()],
-              ("an optimizer state", "optimizer", optimizer.load_state_dict)]
-    for what, key, load in checks:
+    checks = [("a NumPy random state", "numpy_random", lambda state: setattr(numpy_copy, "state", state), "damaged"),
+              ("a torch random state", "torch_random", torch.Generator().set_state, "damaged"),
+              *[(f"a {name}", name, copy.deepcopy(module).load_state_dict, "damaged")
+                for name, module in modules.items()],
+              ("an optimizer state", "optimizer", optimizer.load_state_dict, "damaged, or another script's")]
+    for what, key, load, why in checks:
         try:
             load(checkpoint[key])
         except (ValueError, KeyError, TypeError, RuntimeError) as error:
-            raise SystemExit(f"{saved[-1]} holds {what} that does not fit this run (damaged, or another script's: "
-                             f"{type(error).__name__}); {afresh}")
+            raise SystemExit(f"{saved[-1]} holds {what} that does not fit this run ({why}: {type(error).__name__}); "
+                             f"{afresh}")
     policy.load_state_dict(resumed.state_dict())
     for name, module in modules.items():
         module.load_state_dict(checkpoint[name])

@@ -104,7 +104,7 @@ def load_tokens(split, folder=DATA):
     path = folder / f"{split}.bin"
     require(path)
     size = path.stat().st_size
-    if size % 2 or size // 2 <= CONTEXT + 1:  # uint16 tokens, at least one window of them
+    if size % 2 or size // 2 <= CONTEXT:  # uint16 tokens, at least one window and its next token
         raise SystemExit(f"{path} is damaged or too short ({size:,} bytes); make it again with python data.py")
     check_made(path)  # not cut short since data.py made it
     return np.memmap(path, dtype=np.uint16, mode="r")

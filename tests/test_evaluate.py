@@ -50,6 +50,7 @@ def test_words_used_counts_whole_words_in_any_case(story, share):
     ("hop", "She hoped.", False), ("hop", "Hoping!", False), ("hop", "It hopped.", True),
     ("bee", "It was being good.", False), ("car", "She cared.", False), ("hat", "He hated it.", False),
     ("star", "They were staring.", False), ("star", "She starred.", True),
+    ("crayon", "She crayoned it.", True), ("crayon", "She crayonned it.", True),  # y before a vowel: two syllables
 ])
 def test_inflection_rule(word, story, used):
     assert words_used(story, [word]) == float(used)

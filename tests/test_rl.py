@@ -187,7 +187,9 @@ def test_resume_refuses_a_rollout_checkpoint_of_another_tokenizer_or_shape(works
     ("numpy_random", {"bit_generator": "MT19937", "state": {}}, "a NumPy random state"),
     ("torch_random", torch.zeros(3, dtype=torch.uint8), "a torch random state"),
     ("critic", {"weight": torch.zeros(1, 3)}, "a critic"),
+    ("critic", {"weight": torch.zeros(1, TINY["n_embd"])}, "a critic"),  # of the right shape, but no bias
     ("critic", None, "no critic"),
+    ("optimizer", {"state": {}}, "an optimizer state"),
 ])
 def test_resume_refuses_a_damaged_random_state_or_module_before_anything_loads(workspace, workspace_tokenizer,
                                                                              tmp_path, key, damaged, what):
@@ -199,6 +201,7 @@ def test_resume_refuses_a_damaged_random_state_or_module_before_anything_loads(w
     checkpoint = read_checkpoint(tmp_path / "rollout-2.pt")
     torch.save({k: v for k, v in {**checkpoint, key: damaged}.items() if v is not None}, tmp_path / "rollout-2.pt")
     before = [{name: weight.clone() for name, weight in module.state_dict().items()} for module in (policy, critic)]
+    rng.random()  # its state now other than the checkpoint's
     drawn_before = rng.bit_generator.state
     with pytest.raises(SystemExit, match=f"{what}.*; start the run without --resume$"):
         rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer, critic=critic)
