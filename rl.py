@@ -140,21 +140,16 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
-    # The random states and the further modules, checked on copies; the optimizer's state,
-    # checked by loading it: refused if damaged or of other weights (PPO's, with its critic, in
-    # a GRPO run's folder).
+    # The random states and the further modules, each loaded into a copy first; the optimizer's
+    # state, loaded as it is. A damaged one, or an optimizer of other weights (PPO's, with its
+    # critic, in a GRPO run's folder), is refused in one line.
     numpy_copy = copy.deepcopy(rng).bit_generator
-    checks = [("a NumPy random state", "numpy_random", lambda state: setattr(numpy_copy, "state", state), "damaged"),
-              ("a torch random state", "torch_random", torch.Generator().set_state, "damaged"),
-              *[(f"a {name}", name, copy.deepcopy(module).load_state_dict, "damaged")
-                for name, module in modules.items()],
-              ("an optimizer state", "optimizer", optimizer.load_state_dict, "damaged, or another script's")]
-    for what, key, load, why in checks:
-        try:
-            load(checkpoint[key])
-        except (ValueError, KeyError, TypeError, RuntimeError) as error:
-            raise SystemExit(f"{saved[-1]} holds {what} that does not fit this run ({why}: {type(error).__name__}); "
-                             f"{afresh}")
+    must_load(saved[-1], "a NumPy random state", lambda: setattr(numpy_copy, "state", checkpoint["numpy_random"]))
+    must_load(saved[-1], "a torch random state", lambda: torch.Generator().set_state(checkpoint["torch_random"]))
+    for name, module in modules.items():
+        must_load(saved[-1], f"a {name}", lambda: copy.deepcopy(module).load_state_dict(checkpoint[name]))
+    must_load(saved[-1], "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]),
+              why="damaged, or another script's")
     policy.load_state_dict(resumed.state_dict())
     for name, module in modules.items():
         module.load_state_dict(checkpoint[name])
@@ -163,6 +158,16 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     made_by = checkpoint["made_by"]
     print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
     return checkpoint
+
+
+def must_load(path, what, load, why="damaged"):
+    """Runs load(), which loads a part of the rollout checkpoint at path: one line, not a
+    traceback, when that part does not fit this run."""
+    try:
+        load()
+    except (ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise SystemExit(f"{path} holds {what} that does not fit this run ({why}: {type(error).__name__}); "
+                         "start the run without --resume")
 
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
