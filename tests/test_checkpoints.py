@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 import tokenizer as bpe
-from checkpoints import checkpoint_file, load_checkpoint, read_checkpoint, run_settings, save_checkpoint
+from checkpoints import checkpoint_file, load_checkpoint, logged, read_checkpoint, run_settings, save_checkpoint
 from model import GPT, TINY, Config
 
 
@@ -44,6 +45,21 @@ def test_a_run_s_settings_are_its_constants_then_its_options():
     assert settings == {"batch": 16, "betas": (0.9, 0.95), "lr": 3e-4, "example": "Write a story.", "amx": True,
                         "minutes": 10.0, "rollouts": None, "device": "cpu", "script": "x.py"}
     json.dumps(settings, allow_nan=False)
+
+
+def test_of_a_step_logged_twice_the_point_written_last_counts(tmp_path):
+    # A run that went on from a checkpoint logs steps 1 and 2 again, an hour later, into the
+    # same folder. Its file is the first one written here, so that the order the files are
+    # read in would pick the older points: the clock alone must decide.
+    with SummaryWriter(tmp_path) as went_on:
+        for step, value in ((1, 10.0), (2, 20.0)):
+            went_on.add_scalar("rollout/kl", value, step, walltime=5000.0 + step)
+    with SummaryWriter(tmp_path) as first:
+        for step, value in ((1, 1.0), (2, 2.0), (3, 3.0)):
+            first.add_scalar("rollout/kl", value, step, walltime=1000.0 + step)
+    assert len(list(tmp_path.iterdir())) == 2
+    assert logged(tmp_path, "rollout/kl") == {1: 10.0, 2: 20.0, 3: 3.0}
+    assert logged(tmp_path, "rollout/reward") == {}  # a tag the run never logged
 
 
 def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):

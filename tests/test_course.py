@@ -3,6 +3,7 @@ interrupted or made from a newer model, and writes the report: all without train
 that records each command and writes the file the command would have written."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -328,6 +329,25 @@ def test_without_matplotlib_the_plots_are_skipped_and_the_report_says_how_to_dra
     assert "== plots: skipped: matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().out
     assert "None drawn: `pip install matplotlib`, then `python course.py` again." in (
         learner / "report" / "README.md").read_text()
+
+
+def test_the_report_s_minutes_in_all_are_the_sum_of_its_steps_minutes(learner):
+    names = ("data", "pretraining", "fine-tuning", "DPO", "PPO", "plots")
+    steps = [course.Step(name, [f"{name}.py"]) for name in names]
+    # Pretraining in two sittings; DPO started and never finished; the plots never taken; and a
+    # step of an earlier course with more seeds, which this course's table does not show.
+    record = {"data": {"command": "python data.py", "minutes": 2.5},
+              "pretraining": {"command": "python train.py", "minutes": 61.2, "sittings": 2},
+              "fine-tuning": {"command": "python finetune.py", "minutes": 30.1},
+              "DPO": {"command": "python dpo.py", "minutes": None},
+              "PPO": {"command": "python ppo.py", "minutes": 10.0},
+              "DPO, seed 2": {"command": "python dpo.py --seed 2", "minutes": 12.0}}
+    course.report(steps, record)
+    report = (learner / "report" / "README.md").read_text()
+    shown = re.findall(r"^\| ([^|]+) \| `[^`]*` \| ([0-9.]+)", report, re.MULTILINE)
+    assert shown == [("data", "2.5"), ("pretraining", "61.2"), ("fine-tuning", "30.1"), ("PPO", "10.0")]
+    assert "| DPO | `python dpo.py` | not run by the course |" in report
+    assert "| in all | | 103.8 |" in report  # 2.5 + 61.2 + 30.1 + 10.0
 
 
 def test_the_real_runner_runs_a_script_of_the_series_with_this_python(monkeypatch):

@@ -255,6 +255,22 @@ def test_the_processes_take_each_row_once_and_their_shares_make_the_batch_s_mean
         assert total / processes == pytest.approx(whole.item(), rel=1e-6)
 
 
+def test_the_processes_rows_one_after_another_are_each_row_once_in_order(monkeypatch):
+    assert distributed.my_rows(7) == slice(0, 7)  # one process: all the rows
+    # Counts the processes do not divide, and counts below their number (some processes take none).
+    for processes in (1, 2, 3, 4, 8):
+        monkeypatch.setattr(distributed, "world", lambda: processes)
+        for count in (0, 1, 2, 3, 5, 7, 16, 17):
+            rows, sizes = [], []
+            for rank in range(processes):
+                monkeypatch.setattr(distributed, "rank", lambda: rank)
+                mine = range(count)[distributed.my_rows(count)]
+                rows += mine
+                sizes.append(len(mine))
+            assert rows == list(range(count)), (processes, count)
+            assert max(sizes) - min(sizes) <= 1, (processes, count)  # equal shares, as near as rows allow
+
+
 def test_each_process_draws_with_a_seed_of_its_own_and_rank_0_with_the_run_s(monkeypatch):
     seeds = []
     for rank in range(4):

@@ -39,6 +39,20 @@ def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_
     assert [p.name for p in tmp_path.iterdir()] == [running.name]
 
 
+def test_each_process_saves_through_a_temporary_file_of_its_own(tmp_path, monkeypatch):
+    # Two processes saving one file (two runs of a folder) would write into each other's bytes
+    # through a temporary file of the same name: the process's id is in it.
+    names = []
+    for pid in (1234, 5678):
+        monkeypatch.setattr(os, "getpid", lambda: pid)
+        with files.atomic(tmp_path / "model.pt") as tmp:
+            names.append(tmp.name)
+            tmp.write_bytes(f"saved by {pid}".encode())
+    assert names == [".model.pt.1234.tmp", ".model.pt.5678.tmp"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    assert (tmp_path / "model.pt").read_bytes() == b"saved by 5678"
+
+
 # ---------------------------------------------------------------- download, against a local server
 
 class Server:
