@@ -22,6 +22,7 @@ from checkpoints import CHECKPOINTS, checkpoint_file, model_from, read_checkpoin
 from data import SEED
 
 EVAL_EVERY = 10  # rollouts
+AFRESH = "start the run without --resume"  # the advice of every line that refuses a resume
 
 
 def rl_parser(description, lr):
@@ -121,25 +122,24 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     and goes on drawing what the others draw."""
     saved = rollout_checkpoints(folder)
     if not saved:
-        raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; start the run without --resume")
+        raise SystemExit(f"nothing to resume in {folder}: no rollout-N.pt there; {AFRESH}")
     # The reference the KL is measured from is the fine-tuned model as it is now: made again
     # since the run began (its first checkpoint, rollout 0), it is not the one the run started from.
     reference = checkpoint_file(CHECKPOINTS / "finetune")
     if reference.exists() and reference.stat().st_mtime > saved[0].stat().st_mtime:
         raise SystemExit(f"{reference} was made again after {saved[0]} was saved, so the run would go on against "
-                         "another reference; start the run without --resume")
+                         f"another reference; {AFRESH}")
     checkpoint = read_checkpoint(saved[-1])
     # Everything checked before the policy takes any weight: what only a rollout checkpoint holds
     # (the optimizer, the random states, the further modules), and weights made with this
     # tokenizer (the model this run starts from was made with it), fitting their config and the
     # model the run starts from.
-    afresh = "start the run without --resume"
     missing = [key for key in ("optimizer", "numpy_random", "torch_random", *modules) if key not in checkpoint]
     if missing:
-        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint of this script (no {', '.join(missing)}); {afresh}")
-    resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=afresh)
+        raise SystemExit(f"{saved[-1]} is not a rollout checkpoint of this script (no {', '.join(missing)}); {AFRESH}")
+    resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=AFRESH)
     if resumed.config != policy.config:
-        raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {afresh}")
+        raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {AFRESH}")
     # The random states and the further modules, each loaded into a copy first; the optimizer's
     # state, loaded as it is. A damaged one, or an optimizer of other weights (PPO's, with its
     # critic, in a GRPO run's folder), is refused in one line.
@@ -166,8 +166,7 @@ def must_load(path, what, load, why="damaged"):
     try:
         load()
     except (ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise SystemExit(f"{path} holds {what} that does not fit this run ({why}: {type(error).__name__}); "
-                         "start the run without --resume")
+        raise SystemExit(f"{path} holds {what} that does not fit this run ({why}: {type(error).__name__}); {AFRESH}")
 
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):
