@@ -36,7 +36,7 @@ def matmul_peak(device, dtype, size=4096, repeats=10):
     them would put the peak low and every share of it high."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # the first product sets up what the others reuse
+    a @ b  # untimed: the first product also pays for setting up the library's kernels and threads
     fastest = min(timed(device, lambda: a @ b)[1] for _ in range(repeats))
     return 2 * size**3 / fastest
 

@@ -302,7 +302,7 @@ def test_step_flops_is_a_cached_step_s_matrix_products_for_all_its_rows(monkeypa
     assert decode.step_flops(model, 64) - decode.step_flops(model, 32) == counted[64] - counted[32]
 
 
-def test_matmul_peak_is_the_fastest_products_flops_over_its_seconds(monkeypatch):
+def test_matmul_peak_is_a_products_flops_over_the_fastest_products_seconds(monkeypatch):
     seconds = iter([3.0, 0.5, 2.0])  # the timed products, one of them fast
     monkeypatch.setattr(train_bench, "timed", lambda device, work: (work(), next(seconds)))
     with FlopCounterMode(display=False) as counter:
