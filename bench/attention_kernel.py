@@ -1,26 +1,27 @@
 """
 Benchmark: what a hand-written kernel would buy the writing on a CPU without AMX, where a new
 token's attention over the cache is kernels.block_attention, two of torch's products a block.
-The kernel below does the same work in C++ with AVX-512 instructions: for each row and head,
-the scores in float32 from the bf16 keys, their softmax, and the values weighed in float32,
-in one pass that reads each key and value once. torch compiles it as the bench starts
-(torch.utils.cpp_extension.load_inline: a C++ compiler and the ninja build tool, 20 seconds
-or more the first time, then kept).
+The kernel below does the same work in C++ with AVX2 instructions (every x86 CPU of the last
+ten years has them): for each row and head, the scores in float32 from the keys (float32, or
+bf16 widened to float32), their softmax, and the values weighed in float32, in one pass that
+reads each key and value once. torch compiles it as the bench starts
+(torch.utils.cpp_extension.load_inline: a C++ compiler and the ninja build tool, about 30
+seconds the first time on a 2-core CPU, then kept).
 
-It measures three things: how near each way comes to the float64 answer; a step's attention,
-7 layers of 128 rows at 32, 128 and 224 positions, three ways taking turns (bench/decode.py's
-two, and the kernel); and a rollout's writing from the fine-tuned model, block_attention and
-the kernel in pairs in one process (the order changing each pair), as separate runs move
-with a busy machine by more than the two ways differ.
+It measures three things, in the precision the scripts write in on this machine (--precision
+to choose): how near each way comes to the float64 answer; a step's attention, 7 layers of
+128 rows at 32, 128 and 224 positions, three ways taking turns (bench/decode.py's two, and
+the kernel); and a rollout's writing from the fine-tuned model, block_attention and the
+kernel in pairs in one process (the order changing each pair), as separate runs move with a
+busy machine by more than the two ways differ.
 
 The series does not use the kernel: it needs a compiler and ninja where a learner runs it,
-compiles the first time for about as long as it saves in a first ten-minute run, or longer,
-and runs only on x86 CPUs with AVX-512 (episode 16's speed page has the figures, and why).
-On a CPU with AMX, where the writing takes torch's fused kernel, the bench still sets the
-kernel beside block_attention, the cache in blocks for both.
+and its first build takes longer than it saves in a first ten-minute run (episode 16's speed
+page has the figures, and why). On a CPU with AMX, where the writing takes torch's fused
+kernel, the bench still sets the kernel beside block_attention, the cache in blocks for both.
 
-    python bench/attention_kernel.py                  (about a minute and a half on a 2-core CPU)
-    python bench/attention_kernel.py --rollouts 10    (ten pairs: about a minute more)
+    python bench/attention_kernel.py                  (about three minutes on a 2-core CPU, the first build included)
+    python bench/attention_kernel.py --rollouts 10    (ten pairs: about two minutes more)
 """
 import argparse
 import statistics
@@ -38,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from bench.common import grpo_asks  # noqa: E402
 from bench.decode import attention_ways  # noqa: E402
-from bench.train import flops_per_token, matmul_peak  # noqa: E402
+from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
-from devices import autocast, machine  # noqa: E402
+from devices import autocast, default_precision, machine  # noqa: E402
 from grpo import rollout  # noqa: E402
 from model import GPT, Config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -54,57 +55,85 @@ KERNEL = r"""
 
 constexpr int64_t MOST_POSITIONS = 1024;  // a row's scores, kept on the stack
 
-// 16 bf16 numbers as float32 ones: a bf16 number is the upper half of a float32's bits.
-static inline __m512 load16(const at::BFloat16* from) {
-    __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+// 8 numbers as float32 ones: float32 as they are; a bf16 number is the upper half of a float32's bits.
+static inline __m256 load8(const float* from) { return _mm256_loadu_ps(from); }
+static inline __m256 load8(const at::BFloat16* from) {
+    __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+// The sum of a vector's 8 numbers.
+static inline float sum8(__m256 v) {
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 // One row and head: its query over the first `seen` positions of its keys and values, which
 // lie `block` positions at a time, `apart` numbers between one block and the next.
-template <int CHANNELS>
-static void attend_one(const at::BFloat16* query, const at::BFloat16* keys, const at::BFloat16* values,
-                       int64_t apart, int64_t block, int64_t seen, at::BFloat16* out) {
-    constexpr int PARTS = CHANNELS / 16;
+template <int CHANNELS, typename T>
+static void attend_one(const T* query, const T* keys, const T* values,
+                       int64_t apart, int64_t block, int64_t seen, T* out) {
+    constexpr int PARTS = CHANNELS / 8;
     float scores[MOST_POSITIONS];
-    __m512 q[PARTS];
-    for (int part = 0; part < PARTS; part++) q[part] = load16(query + 16 * part);
+    __m256 q[PARTS];
+    for (int part = 0; part < PARTS; part++) q[part] = load8(query + 8 * part);
     // The scores in float32, block by block, and the largest, which the softmax subtracts.
     const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
     float largest = -INFINITY;
     for (int64_t start = 0; start < seen; start += block) {
-        const at::BFloat16* key = keys + (start / block) * apart;
+        const T* key = keys + (start / block) * apart;
         for (int64_t p = start; p < std::min(seen, start + block); p++, key += CHANNELS) {
-            __m512 sum = _mm512_mul_ps(q[0], load16(key));
-            for (int part = 1; part < PARTS; part++) sum = _mm512_fmadd_ps(q[part], load16(key + 16 * part), sum);
-            scores[p] = _mm512_reduce_add_ps(sum) * scale;
+            __m256 sum = _mm256_mul_ps(q[0], load8(key));
+            for (int part = 1; part < PARTS; part++) sum = _mm256_fmadd_ps(q[part], load8(key + 8 * part), sum);
+            scores[p] = sum8(sum) * scale;
             largest = std::max(largest, scores[p]);
         }
     }
     // The softmax's weights, left unnormalized until the end; then the values weighed by them.
     float total = 0.0f;
     for (int64_t p = 0; p < seen; p++) total += scores[p] = std::exp(scores[p] - largest);
-    __m512 sum[PARTS];
-    for (int part = 0; part < PARTS; part++) sum[part] = _mm512_setzero_ps();
+    __m256 sum[PARTS];
+    for (int part = 0; part < PARTS; part++) sum[part] = _mm256_setzero_ps();
     for (int64_t start = 0; start < seen; start += block) {
-        const at::BFloat16* value = values + (start / block) * apart;
+        const T* value = values + (start / block) * apart;
         for (int64_t p = start; p < std::min(seen, start + block); p++, value += CHANNELS) {
-            __m512 weight = _mm512_set1_ps(scores[p]);
+            __m256 weight = _mm256_set1_ps(scores[p]);
             for (int part = 0; part < PARTS; part++)
-                sum[part] = _mm512_fmadd_ps(weight, load16(value + 16 * part), sum[part]);
+                sum[part] = _mm256_fmadd_ps(weight, load8(value + 8 * part), sum[part]);
         }
     }
     float result[CHANNELS];
     for (int part = 0; part < PARTS; part++)
-        _mm512_storeu_ps(result + 16 * part, _mm512_mul_ps(sum[part], _mm512_set1_ps(1.0f / total)));
-    for (int c = 0; c < CHANNELS; c++) out[c] = at::BFloat16(result[c]);
+        _mm256_storeu_ps(result + 8 * part, _mm256_mul_ps(sum[part], _mm256_set1_ps(1.0f / total)));
+    for (int c = 0; c < CHANNELS; c++) out[c] = static_cast<T>(result[c]);
+}
+
+template <typename T>
+static void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                       const torch::Tensor& seen, torch::Tensor& out) {
+    const int64_t rows = keys.size(1), heads = keys.size(2), block = keys.size(3), channels = keys.size(4);
+    const T *Q = q.data_ptr<T>(), *K = keys.data_ptr<T>(), *V = values.data_ptr<T>();
+    const int64_t* S = seen.data_ptr<int64_t>();
+    T* O = out.data_ptr<T>();
+    const int64_t apart = rows * heads * block * channels;
+    // Each row and head on its own: the threads share them out.
+    at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t first = i * block * channels, seen_here = S[i / heads];
+            if (channels == 16) attend_one<16>(Q + i * 16, K + first, V + first, apart, block, seen_here, O + i * 16);
+            if (channels == 32) attend_one<32>(Q + i * 32, K + first, V + first, apart, block, seen_here, O + i * 32);
+            if (channels == 64) attend_one<64>(Q + i * 64, K + first, V + first, apart, block, seen_here, O + i * 64);
+        }
+    });
 }
 
 // q: (rows, heads, 1, channels); keys and values: (blocks, rows, heads, positions of a block,
-// channels), as sample.KVCache keeps them; all bf16. A row sees its first seen[row] positions.
+// channels), as sample.KVCache keeps them; all float32 or all bf16. A row sees its first seen[row] positions.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor seen) {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-                values.scalar_type() == at::kBFloat16, "the kernel takes bf16");
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
+                values.scalar_type() == dtype, "the kernel takes float32 or bf16, the same in all three");
     TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(),
                 "keys and values must be contiguous: the kernel reads a cache's blocks in place");
     TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes(),
@@ -118,37 +147,25 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     q = q.contiguous();
     seen = seen.to(torch::kLong).clamp_max(blocks * block).contiguous();
     auto out = torch::empty_like(q);
-    const at::BFloat16 *Q = q.data_ptr<at::BFloat16>(), *K = keys.data_ptr<at::BFloat16>();
-    const at::BFloat16* V = values.data_ptr<at::BFloat16>();
-    const int64_t* S = seen.data_ptr<int64_t>();
-    at::BFloat16* O = out.data_ptr<at::BFloat16>();
-    const int64_t apart = rows * heads * block * channels;
-    // Each row and head on its own: the threads share them out.
-    at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) {
-            const int64_t first = i * block * channels, seen_here = S[i / heads];
-            if (channels == 16) attend_one<16>(Q + i * 16, K + first, V + first, apart, block, seen_here, O + i * 16);
-            if (channels == 32) attend_one<32>(Q + i * 32, K + first, V + first, apart, block, seen_here, O + i * 32);
-            if (channels == 64) attend_one<64>(Q + i * 64, K + first, V + first, apart, block, seen_here, O + i * 64);
-        }
-    });
+    if (dtype == at::kFloat) attend_all<float>(q, keys, values, seen, out);
+    else attend_all<at::BFloat16>(q, keys, values, seen, out);
     return out;
 }
 """
 
 
 def build():
-    """The compiled kernel (20 seconds or more the first time on a machine, then torch's kept
+    """The compiled kernel (about 30 seconds the first time on a 2-core CPU, then torch's kept
     build), and the seconds it took; or an exit that says what is missing."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        raise SystemExit(f"the kernel needs an x86 CPU with AVX-512; this one offers "
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # AVX-512 CPUs have AVX2 too
+        raise SystemExit(f"the kernel needs an x86 CPU with AVX2; this one offers "
                          f"{torch.backends.cpu.get_cpu_capability()}")
     from torch.utils.cpp_extension import load_inline
 
     started = time.perf_counter()
     try:
         compiled = load_inline("attention_kernel", cpp_sources=KERNEL, functions=["attend"],
-                               extra_cflags=["-O3", "-mavx512f", "-fopenmp"])
+                               extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
     except (RuntimeError, OSError) as error:  # no compiler, no ninja, or the build failed
         first_line = str(error).strip().partition("\n")[0]
         raise SystemExit(f"the kernel did not build (it needs a C++ compiler and ninja): {first_line}")
@@ -156,10 +173,11 @@ def build():
 
 
 def as_attention(compiled):
-    """The kernel behind block_attention's interface, for the writing (bf16, no dropout): the
-    cache's `visible` is each row's first positions, so a row's count of them is all it needs."""
+    """The kernel behind block_attention's interface, for the writing (float32 or bf16, no
+    dropout): the cache's `visible` is each row's first positions, so a row's count of them is
+    all it needs."""
     def attention(q, keys, values, visible, dropout=0.0):
-        assert q.dtype == torch.bfloat16 and not dropout, "the kernel writes in bf16, without dropout"
+        assert not dropout, "the kernel writes without dropout"
         if visible is None:
             seen = torch.full((q.size(0),), keys.size(0) * keys.size(-2), device=q.device)
         else:  # (rows, 1, 1, positions) as the cache makes it, or one row of positions for all
@@ -168,13 +186,13 @@ def as_attention(compiled):
     return attention
 
 
-def errors_from_float64(attention, rows=128, heads=6, channels=64, blocks=7, seed=0):
-    """The mean and the largest distance of a way's bf16 answer from the float64 one, rows at
-    several positions of a cache in blocks, each seeing its first ones."""
+def errors_from_float64(attention, dtype, rows=128, heads=6, channels=64, blocks=7, seed=0):
+    """The mean and the largest distance of a way's answer from inputs in `dtype` from the
+    float64 one, rows at several positions of a cache in blocks, each seeing its first ones."""
     generator = torch.Generator().manual_seed(seed)
     block = kernels.CACHE_BLOCK
-    q = torch.randn(rows, heads, 1, channels, generator=generator).bfloat16()
-    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).bfloat16()
+    q = torch.randn(rows, heads, 1, channels, generator=generator).to(dtype)
+    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
                     for _ in range(2))
     seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
     visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
@@ -185,14 +203,15 @@ def errors_from_float64(attention, rows=128, heads=6, channels=64, blocks=7, see
     return float(apart.mean()), float(apart.max())
 
 
-def writing_in_pairs(model, tokenizer, attention, pairs):
-    """A rollout's writing with block_attention and with `attention` in turn, `pairs` times, each
-    pair the same instructions and draws, the order changing each pair: each way's seconds and tokens."""
+def writing_in_pairs(model, tokenizer, attention, pairs, precision):
+    """A rollout's writing in `precision` with block_attention and with `attention` in turn,
+    `pairs` times, each pair the same instructions and draws, the order changing each pair:
+    each way's seconds and tokens."""
     asks = grpo_asks(tokenizer)
     ways = {"kernels.block_attention": kernels.block_attention, "the kernel": attention}
     taken = {way: [] for way in ways}
     # The cache in blocks, which both ways read, where a CPU with AMX would keep one block.
-    with autocast(torch.device("cpu"), "bf16"), mock.patch.object(kernels, "BY_HAND_ON_CPU", True):
+    with autocast(torch.device("cpu"), precision), mock.patch.object(kernels, "BY_HAND_ON_CPU", True):
         rollout(model, tokenizer, asks, np.random.default_rng(pairs), pairs)  # once first, as the process warms up
         for pair in range(pairs):
             for way in list(ways)[::1 if pair % 2 == 0 else -1]:
@@ -208,6 +227,7 @@ def main():
     parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
     parser.add_argument("--rollouts", type=int, default=5, help="pairs of rollouts' writing (0: none)")
     parser.add_argument("--rounds", type=int, default=5, help="turns of the attention alone, at each length")
+    parser.add_argument("--precision", choices=list(DTYPES), help="default: the scripts' for this CPU")
     args = parser.parse_args()
     if args.rollouts < 0 or args.rounds < 1:
         parser.error("--rollouts must be 0 or more, --rounds at least 1")
@@ -216,28 +236,29 @@ def main():
     model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval() if args.rollouts else None
     compiled, seconds = build()
     attention = as_attention(compiled)
-    print(f"machine: {machine()}; the kernel built (or loaded) in {seconds:.1f} s")
+    precision = args.precision or default_precision(torch.device("cpu"))
+    print(f"machine: {machine()}; {precision}; the kernel built (or loaded) in {seconds:.1f} s")
 
-    print("\nfrom the float64 answer, 128 rows at 1 to 224 positions, bf16 inputs:")
+    print(f"\nfrom the float64 answer, 128 rows at 1 to 224 positions, {precision} inputs:")
     for way, attend in (("kernels.block_attention", kernels.block_attention), ("the kernel", attention)):
-        mean, largest = errors_from_float64(attend)
-        print(f"  {way}: {mean:.5f} on average, {largest:.4f} at most")
+        mean, largest = errors_from_float64(attend, DTYPES[precision])
+        print(f"  {way}: {mean:.1e} on average, {largest:.1e} at most")
 
     series = GPT(Config())  # the series' shapes: its layers, heads and channels
-    print("\na step's attention, 7 layers, 128 rows, bf16, three ways taking turns (ms a step):")
+    print(f"\na step's attention, 7 layers, 128 rows, {precision}, three ways taking turns (ms a step):")
     print("| positions | torch's fused kernel | kernels.block_attention | the kernel |")
     print("| --- | --- | --- | --- |")
     for positions in (32, 128, 224):
-        times = attention_ways(series, torch.device("cpu"), "bf16", positions, args.rounds, {"the kernel": attention})
+        times = attention_ways(series, torch.device("cpu"), precision, positions, args.rounds, {"the kernel": attention})
         print(f"| {positions} | " + " | ".join(f"{ms:.1f}" for ms in times.values()) + " |")
 
     if args.rollouts:
-        taken = writing_in_pairs(model, tokenizer, attention, args.rollouts)
+        taken = writing_in_pairs(model, tokenizer, attention, args.rollouts, precision)
         # The writing's share of the peak as bench/rollout.py counts it, a forward pass a story
         # token (the rollout's scoring, about 0.02 s, included here).
-        peak, forward = matmul_peak(torch.device("cpu"), torch.bfloat16), flops_per_token(model) / 3
-        print(f"\na rollout's writing, 128 stories, bf16, {args.rollouts} pairs in one process (medians; the bf16 "
-              f"matrix peak measured at {peak / 1e12:.2f} TFLOP/s):")
+        peak, forward = matmul_peak(torch.device("cpu"), DTYPES[precision]), flops_per_token(model) / 3
+        print(f"\na rollout's writing, 128 stories, {precision}, {args.rollouts} pairs in one process (medians; "
+              f"the {precision} matrix peak measured at {peak / 1e12:.3f} TFLOP/s):")
         for way, runs in taken.items():
             print(f"  {way}: {statistics.median(s for s, _ in runs):.2f} s, "
                   f"{statistics.median(s / tokens * 1e6 for s, tokens in runs):.0f} µs a token, "
