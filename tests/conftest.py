@@ -17,6 +17,22 @@ NAMES = """Lily Tom Ben Sue Mia Max Timmy Sarah Daisy Lucy Anna Jack Sam Zoe Leo
 Noah Ruby Owen Maya Eli Nora Kai Lena Theo Ada Hugo Iris Otto Vera Milo Jade Axel Luna Ezra Cleo Jonah""".split()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "measures_bf16_speed: the test times the CPU's bf16 products itself")
+
+
+@pytest.fixture(autouse=True)
+def fp32_on_every_cpu(request, monkeypatch):
+    """A script run without --precision picks it from how much faster the CPU multiplies bf16
+    than fp32 (devices.bf16_speedup_on_cpu): bf16 on some machines, fp32 on others, and four
+    seconds of products at each start. Every test's CPU is one where fp32 is picked, the same
+    on every machine, but for the tests that time the products themselves."""
+    import devices
+
+    if request.node.get_closest_marker("measures_bf16_speed") is None:
+        monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.0)
+
+
 def make_story(rng):
     name = rng.choice(NAMES)
     a, b, c, d, e = rng.sample(NOUNS, 5)

@@ -17,6 +17,7 @@ def test_pick_device_honours_an_override_and_refuses_what_is_not_there():
 
 
 # The first bf16 product timed after the warm-up, or the last of the 5 rounds of 4.
+@pytest.mark.measures_bf16_speed
 @pytest.mark.parametrize("late", [2, 1 + 5 * 4])
 def test_one_busy_moment_does_not_pick_the_precision(monkeypatch, late):
     # A machine where a bf16 product takes 1 ms and an fp32 one 2 ms, but one bf16 product
