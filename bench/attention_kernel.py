@@ -109,6 +109,7 @@ static void attend_one(const T* query, const T* keys, const T* values,
     for (int c = 0; c < CHANNELS; c++) out[c] = static_cast<T>(result[c]);
 }
 
+// Every row and head of a step, the numbers of type T: float, or at::BFloat16.
 template <typename T>
 static void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                        const torch::Tensor& seen, torch::Tensor& out) {
