@@ -112,11 +112,13 @@ def block_attention(q, keys, values, visible, dropout=0.0):
     channels), of which each row sees only `visible` (rows, 1, 1, every block's positions in
     order; None: all): a block's slots not yet written are read too, with weight 0. Each
     product is one of many small dense matrices, which torch multiplies on a CPU without
-    copying the cache; the products in the cache's precision, the softmax and the sum of the
-    blocks in float32 (float64 for float64 keys)."""
+    copying the cache, fastest where each block's keys lie in memory channel by channel, as
+    sample.KVCache keeps them (any layout gives the same answer); the products in the cache's
+    precision, the softmax and the sum of the blocks in float32 (float64 for float64 keys)."""
     blocks, block = keys.size(0), keys.size(-2)
     precise = torch.promote_types(keys.dtype, torch.float32)
-    # Every block's scores in one product, the query the same for each block; then a row's
+    # Every block's scores in one product, the query the same for each block (a block's keys
+    # transposed, channels by positions: as they lie in the cache's memory); then a row's
     # scores side by side, its positions in order.
     scores = (q @ keys.transpose(-2, -1)).to(precise) * q.size(-1) ** -0.5
     scores = scores.permute(1, 2, 3, 0, 4).flatten(-2)

@@ -62,34 +62,31 @@ static inline __m256 load8(const at::BFloat16* from) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 
-// The sum of a vector's 8 numbers.
-static inline float sum8(__m256 v) {
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-
 // One row and head: its query over the first `seen` positions of its keys and values, which
-// lie `block` positions at a time, `apart` numbers between one block and the next.
+// lie `block` positions at a time, `apart` numbers between one block and the next; a block's
+// keys channel by channel (`block` numbers a channel), its values position by position.
 template <int CHANNELS, typename T>
 static void attend_one(const T* query, const T* keys, const T* values,
                        int64_t apart, int64_t block, int64_t seen, T* out) {
     constexpr int PARTS = CHANNELS / 8;
     float scores[MOST_POSITIONS];
-    __m256 q[PARTS];
-    for (int part = 0; part < PARTS; part++) q[part] = load8(query + 8 * part);
-    // The scores in float32, block by block, and the largest, which the softmax subtracts.
-    const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
-    float largest = -INFINITY;
+    float q[CHANNELS];
+    for (int c = 0; c < CHANNELS; c++) q[c] = static_cast<float>(query[c]);
+    // The scores in float32, block by block, 8 positions at a time: each channel adds its
+    // query number times those positions' keys (a block's slots past `seen` too, left unread below).
+    const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(CHANNELS)));
     for (int64_t start = 0; start < seen; start += block) {
         const T* key = keys + (start / block) * apart;
-        for (int64_t p = start; p < std::min(seen, start + block); p++, key += CHANNELS) {
-            __m256 sum = _mm256_mul_ps(q[0], load8(key));
-            for (int part = 1; part < PARTS; part++) sum = _mm256_fmadd_ps(q[part], load8(key + 8 * part), sum);
-            scores[p] = sum8(sum) * scale;
-            largest = std::max(largest, scores[p]);
+        for (int64_t p = 0; p < std::min(seen - start, block); p += 8) {
+            __m256 sum = _mm256_mul_ps(_mm256_set1_ps(q[0]), load8(key + p));
+            for (int c = 1; c < CHANNELS; c++)
+                sum = _mm256_fmadd_ps(_mm256_set1_ps(q[c]), load8(key + c * block + p), sum);
+            _mm256_storeu_ps(scores + start + p, _mm256_mul_ps(sum, scale));
         }
     }
+    // The largest score a row sees, which the softmax subtracts.
+    float largest = -INFINITY;
+    for (int64_t p = 0; p < seen; p++) largest = std::max(largest, scores[p]);
     // The softmax's weights, left unnormalized until the end; then the values weighed by them.
     float total = 0.0f;
     for (int64_t p = 0; p < seen; p++) total += scores[p] = std::exp(scores[p] - largest);
@@ -130,13 +127,14 @@ static void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const 
 }
 
 // q: (rows, heads, 1, channels); keys and values: (blocks, rows, heads, positions of a block,
-// channels), as sample.KVCache keeps them; all float32 or all bf16. A row sees its first seen[row] positions.
+// channels), as sample.KVCache keeps them (each block's keys channel by channel in memory, a
+// transposed view); all float32 or all bf16. A row sees its first seen[row] positions.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor seen) {
     const auto dtype = q.scalar_type();
     TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys.scalar_type() == dtype &&
                 values.scalar_type() == dtype, "the kernel takes float32 or bf16, the same in all three");
-    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(),
-                "keys and values must be contiguous: the kernel reads a cache's blocks in place");
+    TORCH_CHECK(keys.transpose(-2, -1).is_contiguous() && values.is_contiguous(),
+                "keys and values dense, as sample.KVCache keeps them: the kernel reads a cache's blocks in place");
     TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes(),
                 "keys and values: (blocks, rows, heads, positions of a block, channels), of one shape");
     const int64_t blocks = keys.size(0), rows = keys.size(1), heads = keys.size(2), block = keys.size(3);
@@ -144,6 +142,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     TORCH_CHECK(q.sizes() == torch::IntArrayRef({rows, heads, 1, channels}), "q: (rows, heads, 1, channels)");
     TORCH_CHECK(seen.numel() == rows && seen.min().item<int64_t>() >= 1, "seen: at least one position for each row");
     TORCH_CHECK(channels == 16 || channels == 32 || channels == 64, "a head's channels: 16, 32 or 64");
+    TORCH_CHECK(block % 8 == 0, "a block of positions 8 at a time");
     TORCH_CHECK(blocks * block <= MOST_POSITIONS, "at most ", MOST_POSITIONS, " positions");
     q = q.contiguous();
     seen = seen.to(torch::kLong).clamp_max(blocks * block).contiguous();
@@ -193,8 +192,9 @@ def errors_from_float64(attention, dtype, rows=128, heads=6, channels=64, blocks
     generator = torch.Generator().manual_seed(seed)
     block = kernels.CACHE_BLOCK
     q = torch.randn(rows, heads, 1, channels, generator=generator).to(dtype)
-    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
-                    for _ in range(2))
+    # Keys and values as sample.KVCache keeps them: each block's keys channel by channel.
+    keys = torch.randn(blocks, rows, heads, channels, block, generator=generator).to(dtype).transpose(-2, -1)
+    values = torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
     seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
     visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
     # The reference: torch's attention in float64 over the positions in order, masked as the rows see them.

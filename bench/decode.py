@@ -12,7 +12,8 @@ weights: a step costs the same whatever the weights say.
 On a CPU, the attention over the cache two ways, taking turns, the cache in the layers'
 precision: torch's fused kernel over the positions so far, which the writing runs on a CPU
 with AMX, and the two products by hand over the cache's blocks of 32 positions
-(kernels.block_attention), which it runs on a CPU without.
+(kernels.block_attention; each block's keys channel by channel, as the cache keeps them),
+which it runs on a CPU without.
 
 With --compile, the same step compiled by torch.compile (the model's forward pass, shapes
 dynamic, as the cache grows by a position at each step) beside it, and one update
@@ -93,7 +94,9 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
     blocks = -(-(positions + 80) // CACHE_BLOCK)  # room for 80 more tokens, as a cache has
     shape = (blocks, ROWS, c.n_head, CACHE_BLOCK, c.n_embd // c.n_head)
     query = torch.randn(ROWS, c.n_head, 1, shape[-1], generator=generator, device=device).to(DTYPES[precision])
-    layers = [[torch.randn(shape, generator=generator, device=device).to(query.dtype) for _ in range(2)]
+    # Each layer's keys and values as sample.KVCache keeps them in blocks: a block's keys channel by channel.
+    layers = [[torch.randn(shape[:-2] + shape[:-3:-1], generator=generator, device=device).to(query.dtype)
+               .transpose(-2, -1), torch.randn(shape, generator=generator, device=device).to(query.dtype)]
               for _ in range(c.n_layer)]
     # The same numbers in order of position (rows, heads, positions, channels), and the positions so far.
     in_order = [[cache.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :positions] for cache in layer] for layer in layers]

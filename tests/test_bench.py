@@ -178,7 +178,9 @@ def test_hand_written_kernel_gives_float64_s_answer_within_its_precision_s_round
     generator = torch.Generator().manual_seed(0)
     rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
     q = torch.randn(rows, heads, 1, channels, generator=generator).to(dtype)
-    keys, values = (torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype) for _ in range(2))
+    # As sample.KVCache keeps them: each block's keys channel by channel in memory.
+    keys = torch.randn(blocks, rows, heads, channels, block, generator=generator).to(dtype).transpose(-2, -1)
+    values = torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
     # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN in
     # both keys and values: the kernel must leave them out of its answer (block_attention gets
     # zeros there, as its products would carry a NaN).
@@ -200,7 +202,8 @@ def test_hand_written_kernel_gives_float64_s_answer_within_its_precision_s_round
         assert (ours.double() - exact).abs().mean() <= (by_hand.double() - exact).abs().mean()
     # With no mask, every position of every block.
     whole = F.scaled_dot_product_attention(q.double(), *[c.nan_to_num() for c in in_order])
-    assert torch.allclose(attention(q, keys.nan_to_num(), values.nan_to_num(), None).double(), whole, atol=rounding)
+    keys = keys.transpose(-2, -1).nan_to_num().transpose(-2, -1)  # NaN to 0 in the same layout
+    assert torch.allclose(attention(q, keys, values.nan_to_num(), None).double(), whole, atol=rounding)
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)

@@ -26,6 +26,29 @@ def by_position(blocks):
     return blocks.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)
 
 
+def laid_out_as_made(cache, layout):
+    """Dense, and in the order KVCache.make lays a cache out: values position by position, keys
+    too in one block, but each block's keys channel by channel where there are several."""
+    keys = cache.keys.transpose(-2, -1) if layout == "blocks" else cache.keys
+    return keys.is_contiguous() and cache.values.is_contiguous()
+
+
+# However a cache is made (one prompt's, copied to the rows of its group; one of several
+# prompts; several groups gathered) and after rows leave it, it is laid out as make() lays it:
+# each block's keys channel by channel, as block_attention's product reads them.
+def test_a_cache_keeps_its_layout_however_it_is_made_and_narrowed(cache_layout):
+    model = tiny_model()
+    g = torch.Generator().manual_seed(7)
+    shared, several = torch.randint(0, 97, (1, 6), generator=g).repeat(3, 1), torch.randint(0, 97, (3, 6), generator=g)
+    with torch.no_grad():
+        for groups in ([shared], [several], [shared, several]):
+            _, cache = sample.prefill(model, groups, 10)
+            assert laid_out_as_made(cache, cache_layout)
+            model(torch.randint(0, 97, (sum(map(len, groups)), 1), generator=g), cache=cache)
+            cache.keep(torch.arange(sum(map(len, groups))) % 3 != 1)
+            assert laid_out_as_made(cache, cache_layout)
+
+
 def test_prompt_starts_with_end_of_text(small_tokenizer):
     tokens = encode_prompt(small_tokenizer, "Write a story.\n")
     assert tokens[0] == small_tokenizer.eot and small_tokenizer.decode(tokens[1:]) == "Write a story.\n"
@@ -294,7 +317,7 @@ def test_rows_that_end_leave_the_batch_and_the_others_write_on_unchanged():
 
 
 @pytest.mark.parametrize("lengths", [(5,), (3, 7, 4)])
-def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(lengths):
+def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(lengths, cache_layout):
     # Prompts of one length (one count for all rows) and of several (a count per row), then a
     # few tokens written; the rows kept move up, and each must keep every position it filled.
     model = tiny_model()
@@ -313,7 +336,7 @@ def test_a_narrowed_cache_holds_the_kept_rows_positions_and_counts_unchanged(len
     assert cache.keys.size(2) == cache.values.size(2) == len(kept)
     # In the memory the cache had, and dense: each layer's blocks one tensor the attention reads as it is.
     assert (cache.keys.data_ptr(), cache.values.data_ptr()) == memory
-    assert cache.keys.is_contiguous() and cache.values.is_contiguous()
+    assert laid_out_as_made(cache, cache_layout)
     for row, (keys, values, count) in enumerate(kept):
         assert torch.equal(by_position(cache.keys)[:, row, :, :count], keys)
         assert torch.equal(by_position(cache.values)[:, row, :, :count], values)
