@@ -154,11 +154,16 @@ def in_blocks(t, block, unwritten):
 # One query a row over 8 positions (two whole blocks of 4, every row seeing all), and over 9
 # (three blocks, the last with three slots not written: NaN keys, stale values) where each of
 # the 3 rows sees only its own positions.
+# The keys as they lie in memory either way: position by position, or channel by channel (as
+# sample.KVCache keeps them in blocks).
 @pytest.mark.parametrize("positions, filled", [(8, None), (9, [3, 8, 5])])
-def test_block_attention_is_torchs_attention(positions, filled):
+@pytest.mark.parametrize("keys_by_channel", [False, True])
+def test_block_attention_is_torchs_attention(positions, filled, keys_by_channel):
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, n, 16, generator=generator, dtype=torch.float64) for n in (1, positions, positions))
     keys, values = in_blocks(k, 4, float("nan")), in_blocks(v, 4, 5.0)
+    if keys_by_channel:
+        keys = keys.transpose(-2, -1).contiguous().transpose(-2, -1)
     visible = None if filled is None else (torch.arange(12) <= torch.tensor(filled)[:, None])[:, None, None, :]
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=None if visible is None else visible[..., :positions])
