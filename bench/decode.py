@@ -95,8 +95,9 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
     shape = (blocks, ROWS, c.n_head, CACHE_BLOCK, c.n_embd // c.n_head)
     query = torch.randn(ROWS, c.n_head, 1, shape[-1], generator=generator, device=device).to(DTYPES[precision])
     # Each layer's keys and values as sample.KVCache keeps them in blocks: a block's keys channel by channel.
-    layers = [[torch.randn(shape[:-2] + shape[:-3:-1], generator=generator, device=device).to(query.dtype)
-               .transpose(-2, -1), torch.randn(shape, generator=generator, device=device).to(query.dtype)]
+    by_channel = (*shape[:-2], shape[-1], shape[-2])  # a block's channels, then its positions
+    layers = [[torch.randn(by_channel, generator=generator, device=device).to(query.dtype).transpose(-2, -1),
+               torch.randn(shape, generator=generator, device=device).to(query.dtype)]
               for _ in range(c.n_layer)]
     # The same numbers in order of position (rows, heads, positions, channels), and the positions so far.
     in_order = [[cache.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :positions] for cache in layer] for layer in layers]

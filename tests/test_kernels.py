@@ -153,9 +153,8 @@ def in_blocks(t, block, unwritten):
 
 # One query a row over 8 positions (two whole blocks of 4, every row seeing all), and over 9
 # (three blocks, the last with three slots not written: NaN keys, stale values) where each of
-# the 3 rows sees only its own positions.
-# The keys as they lie in memory either way: position by position, or channel by channel (as
-# sample.KVCache keeps them in blocks).
+# the 3 rows sees only its own positions; each with the keys lying in memory position by
+# position, and channel by channel (as sample.KVCache keeps them in blocks).
 @pytest.mark.parametrize("positions, filled", [(8, None), (9, [3, 8, 5])])
 @pytest.mark.parametrize("keys_by_channel", [False, True])
 def test_block_attention_is_torchs_attention(positions, filled, keys_by_channel):
