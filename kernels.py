@@ -121,9 +121,9 @@ def block_attention(q, keys, values, visible, dropout=0.0):
     # transposed, channels by positions: as they lie in the cache's memory); then a row's
     # scores side by side, its positions in order.
     scores = (q @ keys.transpose(-2, -1)).to(precise) * q.size(-1) ** -0.5
-    scores = scores.permute(1, 2, 3, 0, 4).flatten(-2)
+    scores = scores.permute(1, 2, 3, 0, 4).flatten(-2)  # made here, not the cache: the mask fills it in place
     if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))  # positions a row may not see weigh 0
+        scores.masked_fill_(~visible, float("-inf"))  # positions a row may not see weigh 0
     weights = scores.softmax(dim=-1)
     weights = F.dropout(weights, dropout) if dropout else weights
     # Back in blocks: each block's values weighed in one product, and the blocks' sums added up.

@@ -110,7 +110,8 @@ def prefill(model, groups, max_new_tokens):
         if shared:
             cache.repeat(len(group))
         return logits[0], cache
-    # Prompts of several lengths: one cache for all the rows, each counting its own positions.
+    # Several groups: one cache for all the rows, each counting its own positions where the
+    # prompts' lengths differ.
     cache = KVCache(model.config, max(c.length for c in caches))
     cache.gather(caches, [len(group) for group in groups])
     return torch.cat(logits), cache
@@ -152,6 +153,7 @@ class KVCache:
     def __init__(self, config, length):
         self.n_layer, self.context, self.length, self.filled = config.n_layer, config.context, length, 0
         self.keys = self.values = None  # made at the first call, on the layers' device
+        self.step = None  # where a step's token goes and what it reads (this_step), at its first layer
 
     def add(self, layer, k, v):
         """Stores new keys and values; returns the layer's keys and values so far, and which of
@@ -164,12 +166,15 @@ class KVCache:
         if k.size(2) > 1:
             self.write_prompt(layer, k, v)
             return k, v, None  # a prompt: its own keys and values are all the cache holds
-        # One new token a row, each at its row's own next position: a block, and a slot in it.
-        rows = torch.arange(k.size(0), device=k.device)
-        block, slot = self.filled // self.block, self.filled % self.block
+        # One new token a row, each at its row's own next position. Where that is, which of the
+        # cache's positions a layer reads and which of them each row sees are the same in every
+        # layer: worked out once a step, at its first layer.
+        if layer == 0:
+            self.step = self.this_step(k.size(0), k.device)
+        rows, block, slot, read, visible = self.step
         self.keys[layer, block, rows, :, slot] = k[:, :, 0]
         self.values[layer, block, rows, :, slot] = v[:, :, 0]
-        return self.so_far(layer)
+        return self.keys[(layer, *read)], self.values[(layer, *read)], visible
 
     def make(self, rows, heads, channels, dtype, device):
         """Room for `length` positions of each row's keys and of its values, in the layers'
@@ -198,23 +203,25 @@ class KVCache:
             self.keys[layer, block, :, :, :count] = k[:, :, start:start + count]
             self.values[layer, block, :, :, :count] = v[:, :, start:start + count]
 
-    def so_far(self, layer):
-        """The layer's keys and values so far, and which of them each row may see (None: all);
-        this step's token is at each row's position `filled`, and a row sees it and those before."""
+    def this_step(self, rows, device):
+        """Where this step's token goes in each row (its block, and its slot in the block; the
+        token is at the row's position `filled`), the index of what each layer reads, and which
+        of those positions each row may see (None: all): its own, up to this token."""
+        # Each row at its own position (a block, and a slot in it), or every row at one.
+        rows = torch.arange(rows, device=device) if torch.is_tensor(self.filled) else slice(None)
+        block, slot = self.filled // self.block, self.filled % self.block
         end = int(self.filled.max() if torch.is_tensor(self.filled) else self.filled) + 1
-        if self.block == self.context:  # one block: torch's fused kernel reads the positions so far
-            keys, values = self.keys[layer, 0, :, :, :end], self.values[layer, 0, :, :, :end]
-            read = end
+        if self.block == self.context:  # one block, its positions so far: torch's fused kernel reads them
+            read, length = (0, slice(None), slice(None), slice(None, end)), end
         else:  # every block that holds a position so far, each whole
             blocks = -(-end // self.block)
-            keys, values = self.keys[layer, :blocks], self.values[layer, :blocks]
-            read = blocks * self.block
-        if read == end and not torch.is_tensor(self.filled):
-            return keys, values, None
-        # A row sees its own positions, not the slots a shorter prompt left empty or not yet written.
-        filled = torch.as_tensor(self.filled, device=keys.device).reshape(-1, 1)
-        visible = torch.arange(read, device=keys.device) <= filled
-        return keys, values, visible[:, None, None, :]
+            read, length = (slice(None, blocks),), blocks * self.block
+        visible = None
+        if length != end or torch.is_tensor(self.filled):
+            # Not the slots a shorter prompt left empty, nor those not yet written.
+            filled = torch.as_tensor(self.filled, device=device).reshape(-1, 1)
+            visible = (torch.arange(length, device=device) <= filled)[:, None, None, :]
+        return rows, block, slot, read, visible
 
     def repeat(self, copies):
         """A cache of one prompt becomes a cache of `copies` identical rows, laid out as make() lays them."""
@@ -225,7 +232,8 @@ class KVCache:
 
     def gather(self, caches, rows):
         """Fills this cache with the caches of several prompts (one row each, or one row per
-        copy), each copied to its number of rows; each row keeps its own count of positions."""
+        copy), each copied to its number of rows; each row keeps its own count of positions,
+        or, where the prompts have one length, all rows one count."""
         first = caches[0].keys
         self.make(sum(rows), first.size(3), first.size(5), first.dtype, first.device)
         start = 0
@@ -234,8 +242,10 @@ class KVCache:
             self.keys[:, :blocks, start:start + count] = cache.keys[:, :blocks]
             self.values[:, :blocks, start:start + count] = cache.values[:, :blocks]
             start += count
-        self.filled = torch.tensor([c.filled for c, count in zip(caches, rows) for _ in range(count)],
-                                   device=first.device)
+        # One count where every prompt has one length (most of GRPO's rollouts): each step then
+        # writes every row's token at one place, and no row needs a mask of its own.
+        counts = [c.filled for c, count in zip(caches, rows) for _ in range(count)]
+        self.filled = counts[0] if len(set(counts)) == 1 else torch.tensor(counts, device=first.device)
 
     def keep(self, rows):
         """Only these rows (a mask) from now on: the others have ended their stories. The rows

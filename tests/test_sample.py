@@ -257,6 +257,34 @@ def test_prompts_of_several_lengths_in_one_batch_write_what_each_group_writes_al
             assert torch.equal(out, generate_by_recomputing(model, group, 30))
 
 
+# Groups whose prompts have one length (most of GRPO's rollouts) keep one count of positions for
+# every row, and write what each group writes alone.
+def test_groups_of_prompts_of_one_length_keep_one_count_and_write_what_each_writes_alone():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(8)
+    groups = [torch.randint(0, 97, (1, 5), generator=g).repeat(3, 1), torch.randint(0, 97, (2, 5), generator=g)]
+    with torch.no_grad():
+        _, cache = sample.prefill(model, groups, 30)
+    assert cache.filled == 5 and not torch.is_tensor(cache.filled)
+    for group, out in zip(groups, generate(model, groups, 30, temperature=0)):
+        assert torch.equal(out, generate(model, group, 30, temperature=0))
+
+
+# Where each row's token goes, what a layer reads and which positions each row sees are the same
+# in every layer: a step works them out once, not once a layer.
+def test_a_step_works_out_its_positions_once_for_all_layers(monkeypatch):
+    model = tiny_model()
+    worked_out = []
+    this_step = KVCache.this_step
+
+    def counted(cache, *args):
+        worked_out.append(1)
+        return this_step(cache, *args)
+    monkeypatch.setattr(KVCache, "this_step", counted)
+    generate(model, rollout_in_small(), 6, temperature=0)
+    assert model.config.n_layer > 1 and len(worked_out) == 5  # the prompts' pass, then 5 steps
+
+
 # In bf16 too, the scripts' precision where it is faster, with either layout of the cache: a row's
 # logits are its logits alone, whichever rows share its batch, to bf16's rounding (which a CPU's
 # kernels may round differently for another number of rows, so the same greedy tokens are not
