@@ -203,12 +203,12 @@ class KVCache:
             self.keys[layer, block, :, :, :count] = k[:, :, start:start + count]
             self.values[layer, block, :, :, :count] = v[:, :, start:start + count]
 
-    def this_step(self, rows, device):
+    def this_step(self, batch, device):
         """Where this step's token goes in each row (its block, and its slot in the block; the
         token is at the row's position `filled`), the index of what each layer reads, and which
         of those positions each row may see (None: all): its own, up to this token."""
         # Each row at its own position (a block, and a slot in it), or every row at one.
-        rows = torch.arange(rows, device=device) if torch.is_tensor(self.filled) else slice(None)
+        rows = torch.arange(batch, device=device) if torch.is_tensor(self.filled) else slice(None)
         block, slot = self.filled // self.block, self.filled % self.block
         end = int(self.filled.max() if torch.is_tensor(self.filled) else self.filled) + 1
         if self.block == self.context:  # one block, its positions so far: torch's fused kernel reads them
