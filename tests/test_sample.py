@@ -282,7 +282,7 @@ def test_a_step_works_out_its_positions_once_for_all_layers(monkeypatch):
         return this_step(cache, *args)
     monkeypatch.setattr(KVCache, "this_step", counted)
     generate(model, rollout_in_small(), 6, temperature=0)
-    assert model.config.n_layer > 1 and len(worked_out) == 5  # the prompts' pass, then 5 steps
+    assert model.config.n_layer > 1 and len(worked_out) == 5  # 6 tokens: the first from the prompts' pass, then 5 steps
 
 
 # In bf16 too, the scripts' precision where it is faster, with either layout of the cache: a row's
