@@ -2,12 +2,12 @@
 Benchmark: one GRPO rollout at the series size, from a real fine-tuned model. 16 training
 instructions, each written for 8 times (128 stories of up to 200 tokens, temperature 1),
 scored, their old and reference log-probabilities, and the update (2 passes in minibatches
-of 16): the seconds of each part, the median of --repeats rollouts, each with new
-instructions, and each part's share of the machine's matrix-product peak, measured in the
-same run; and the writing's own floor, its products at the peak and the keys and values its
-steps read at the memory's speed (a sum over 256 MB measures it). As in grpo.py,
-everything runs in one precision, bf16 where the device multiplies faster
-(devices.default_precision), --precision to choose.
+of 16): the seconds of each part and its share of the machine's matrix-product peak,
+measured in the same run, the median of --repeats rollouts, each with new instructions, and
+their range (a busy machine moves them from one rollout to the next); and the writing's own
+floor, its products at the peak and the keys and values its steps read at the memory's speed
+(a sum over 256 MB measures it). As in grpo.py, everything runs in one precision, bf16 where
+the device multiplies faster (devices.default_precision), --precision to choose.
 
 In the same run: the episode's literal writing, one call of 8 stories for each of the 16
 instructions, beside grpo.py's one batched pass over all 128, the same instructions and the
@@ -52,6 +52,8 @@ from ppo import EPOCHS, LR, MINIBATCH, pack, token_logprobs  # noqa: E402
 from sample import MAX_NEW_TOKENS, cut_at_end, generate  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from train import optimizer_step  # noqa: E402
+
+PARTS = ("writing", "scoring", "logprobs", "update")  # a rollout's, timed one after another
 
 
 def write_group_by_group(policy, tokenizer, prompts, seed):
@@ -112,10 +114,19 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
 
     _, updating = timed(device, update)
     written = int(mask.sum())
-    return {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
-            "by_group": by_group, "by_group_tokens": by_group_tokens, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
-            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
-            "cache_bytes_read": cache_bytes_read(prompts, stories, policy.config, DTYPES[precision].itemsize)}
+    run = {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
+           "by_group": by_group, "by_group_tokens": by_group_tokens, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
+           "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
+           "cache_bytes_read": cache_bytes_read(prompts, stories, policy.config, DTYPES[precision].itemsize)}
+    run["whole rollout"] = sum(run[part] for part in PARTS)
+    # Each part's matrix products (the FLOPs of its forward and backward passes); a forward pass
+    # is a third of a training step's work (forward, and backward twice as much).
+    forward = flops_per_token(policy) / 3
+    work = {"writing": written * forward, "scoring": 0.0, "logprobs": 2 * x.numel() * forward,
+            "update": EPOCHS * x.numel() * 3 * forward}
+    run.update({f"{part} work": flops for part, flops in work.items()})
+    run["whole rollout work"] = sum(work.values())
+    return run
 
 
 def precision_drift(policy, tokenizer, asks, device):
@@ -155,6 +166,25 @@ def profile_writing(policy, tokenizer, asks, device, precision, operators=15):
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults:,}")
 
 
+def report(runs, peak):
+    """A table of each part's seconds, its share of the rollout and its share of the matrix
+    peak: the median of the rollouts and, for more than one, their range, as a busy machine
+    moves them from one rollout to the next."""
+    def figure(values, style):
+        low, middle, high = min(values), statistics.median(values), max(values)
+        return style(middle) if len(values) == 1 else f"{style(middle)} ({style(low)} to {style(high)})"
+
+    total = statistics.median(run["whole rollout"] for run in runs)
+    lines = ["| part | seconds | share | share of the matrix peak |", "| --- | --- | --- | --- |"]
+    for part in PARTS + ("whole rollout",):
+        seconds = [run[part] for run in runs]
+        of_peak = "no products" if not runs[0][f"{part} work"] else \
+            figure([run[f"{part} work"] / run[part] / peak for run in runs], "{:.0%}".format)
+        lines.append(f"| {part} | {figure(seconds, '{:.1f}'.format)} | {statistics.median(seconds) / total:.0%} "
+                     f"| {of_peak} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model", nargs="?", default=str(CHECKPOINTS / "finetune"))
@@ -182,27 +212,18 @@ def main():
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     memory = peak_memory_mb(device)  # the rollouts' own: the peak's and the bandwidth's buffers below would raise it
-    total = median["writing"] + median["scoring"] + median["logprobs"] + median["update"]
     peak = matmul_peak(device, DTYPES[precision])
-    # A forward pass is a third of a training step's work (forward, and backward twice as much).
-    forward = flops_per_token(policy) / 3
-    work = {"writing": median["story_tokens"] * forward, "scoring": 0.0,
-            "logprobs": 2 * median["positions"] * forward, "update": EPOCHS * median["positions"] * 3 * forward}
     print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average; "
           f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s")
-    print("| part | seconds | share | share of the matrix peak |")
-    print("| --- | --- | --- | --- |")
-    for part in ("writing", "scoring", "logprobs", "update"):
-        share_of_peak = f"{work[part] / median[part] / peak:.0%}" if work[part] else "no products"
-        print(f"| {part} | {median[part]:.1f} | {median[part] / total:.0%} | {share_of_peak} |")
-    print(f"| whole rollout | {total:.1f} | 100% | {sum(work.values()) / total / peak:.0%} |")
-    floor = sum(work.values()) / peak
-    print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took {total / floor:.1f} times it")
+    print(report(runs, peak))
+    floor = median["whole rollout work"] / peak
+    print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took "
+          f"{median['whole rollout'] / floor:.1f} times it")
     # The writing multiplies little for what it reads: each step reads every cached key and
     # value of its rows. So its floor is its products at the peak and those reads at the
     # memory's speed, one after the other, as each is an operator of its own.
     bandwidth = read_bandwidth(device)
-    products, reading = work["writing"] / peak, median["cache_bytes_read"] / bandwidth
+    products, reading = median["writing work"] / peak, median["cache_bytes_read"] / bandwidth
     print(f"the writing's floor, its products at the peak ({products:.1f} s) and the keys and values its steps "
           f"read ({median['cache_bytes_read'] / 1e9:.1f} GB) at the memory's {bandwidth / 1e9:.1f} GB/s "
           f"({reading:.1f} s): {products + reading:.1f} s; it took {median['writing'] / (products + reading):.1f} "

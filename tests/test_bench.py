@@ -127,6 +127,29 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(mach
     assert ("bf16 not measured" in out) == (machine_s_precision == "fp32")
 
 
+# A busy machine moves a rollout's seconds from one to the next, so the table gives each
+# figure's median and the repeats' range: each rollout's share of the peak from its own work
+# and its own seconds.
+def test_rollout_benchmark_reports_each_figure_s_median_and_the_repeats_range():
+    from bench.rollout import report
+
+    def run(writing, update, story_tokens):
+        # A peak of 1 FLOP/s: the work is in FLOPs, and a share of the peak is work / seconds.
+        return {"writing": writing, "scoring": 1.0, "logprobs": 0.0, "update": update,
+                "whole rollout": writing + 1.0 + update, "writing work": story_tokens, "scoring work": 0.0,
+                "logprobs work": 0.0, "update work": 3 * story_tokens, "whole rollout work": 4 * story_tokens}
+
+    table = report([run(10.0, 29.0, 3.0), run(14.0, 35.0, 3.5), run(12.0, 27.0, 2.4)], peak=1.0).splitlines()
+    # Writing: 3 FLOPs in 10 s, 3.5 in 14, 2.4 in 12; the whole rollouts 40, 50 and 40 s.
+    assert table[2] == "| writing | 12.0 (10.0 to 14.0) | 30% | 25% (20% to 30%) |"
+    assert table[3] == "| scoring | 1.0 (1.0 to 1.0) | 2% | no products |"
+    # Update: 9 in 29 s, 10.5 in 35, 7.2 in 27; whole: 12 in 40, 14 in 50, 9.6 in 40.
+    assert table[5] == "| update | 29.0 (27.0 to 35.0) | 72% | 30% (27% to 31%) |"
+    assert table[6] == "| whole rollout | 40.0 (40.0 to 50.0) | 100% | 28% (24% to 30%) |"
+    # One rollout: its figures alone.
+    assert report([run(10.0, 29.0, 3.0)], peak=1.0).splitlines()[2] == "| writing | 10.0 | 25% | 30% |"
+
+
 def test_the_literal_loop_counts_the_story_tokens_it_wrote_as_the_rollout_does(monkeypatch):
     from bench import rollout as rollout_bench
 
