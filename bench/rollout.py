@@ -208,6 +208,9 @@ def main():
     asks = grpo_asks(tokenizer)
     print(f"machine: {machine()}; device: {device}; writing and update in {precision}")
 
+    # The update's shuffles seeded, as grpo.py seeds them: each run writes the same stories and
+    # does the same work, so that two runs differ only by the machine's speed.
+    torch.manual_seed(0)
     runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)
             for seed in range(args.repeats)]
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}

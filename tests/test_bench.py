@@ -150,6 +150,35 @@ def test_rollout_benchmark_reports_each_figure_s_median_and_the_repeats_range():
     assert report([run(10.0, 29.0, 3.0)], peak=1.0).splitlines()[2] == "| writing | 10.0 | 25% | 30% |"
 
 
+# The rollouts after the first are written by the updated model, so two runs of the bench
+# write the same stories only if their updates shuffle the stories the same way.
+def test_rollout_benchmark_runs_do_the_same_work_each_time(run_main, monkeypatch):
+    import grpo
+    from bench import rollout as rollout_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
+    # The tiny model's stories use none of the words: a reward that tells them apart, so that
+    # the update moves the model.
+    monkeypatch.setattr(grpo, "words_used", lambda text, words: len(text) % 7 / 7)
+    monkeypatch.setattr(rollout_bench, "matmul_peak",
+                        lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256, repeats=2))
+    weights_after = []
+    measure = rollout_bench.measure_rollout
+
+    def measured(policy, *args):
+        run = measure(policy, *args)
+        weights_after.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
+        return run
+
+    monkeypatch.setattr(rollout_bench, "measure_rollout", measured)
+    for _ in range(2):
+        torch.manual_seed(len(weights_after))  # whatever the global random state was before
+        run_main(rollout_bench, "--repeats", "2", "--device", "cpu", "--precision", "fp32")
+    assert not torch.equal(weights_after[0], weights_after[1])  # the second update moved it
+    assert torch.equal(weights_after[1], weights_after[3])
+
+
 def test_the_literal_loop_counts_the_story_tokens_it_wrote_as_the_rollout_does(monkeypatch):
     from bench import rollout as rollout_bench
 
