@@ -2,12 +2,13 @@
 Benchmark: one GRPO rollout at the series size, from a real fine-tuned model. 16 training
 instructions, each written for 8 times (128 stories of up to 200 tokens, temperature 1),
 scored, their old and reference log-probabilities, and the update (2 passes in minibatches
-of 16): the seconds of each part and its share of the machine's matrix-product peak,
-measured in the same run, the median of --repeats rollouts, each with new instructions, and
-their range (a busy machine moves them from one rollout to the next); and the writing's own
-floor, its products at the peak and the keys and values its steps read at the memory's speed
-(a sum over 256 MB measures it). As in grpo.py, everything runs in one precision, bf16 where
-the device multiplies faster (devices.default_precision), --precision to choose.
+of 16): the seconds of each part and its share of the machine's matrix-product peak
+(measured after each rollout, the fastest taken), the median of --repeats rollouts, each
+with new instructions, and their range (a busy machine moves them from one rollout to the
+next); and the writing's own floor, its products at the peak and the keys and values its
+steps read at the memory's speed (a sum over 256 MB measures it). As in grpo.py, everything
+runs in one precision, bf16 where the device multiplies faster (devices.default_precision),
+--precision to choose.
 
 In the same run: the episode's literal writing, one call of 8 stories for each of the 16
 instructions, beside grpo.py's one batched pass over all 128, the same instructions and the
@@ -22,7 +23,7 @@ expensive first, the single-token steps its rows took against the tokens its sto
 (a row whose story has ended goes on costing a step until it leaves the batch), and the
 pages of fresh memory the system handed it (Linux and macOS count them).
 
-    python bench/rollout.py                       (about 6 minutes on a 2-core CPU)
+    python bench/rollout.py                       (about 7 minutes on a 2-core CPU)
     python bench/rollout.py --precision fp32 --repeats 1
     python bench/rollout.py --repeats 1 --profile
 """
@@ -211,13 +212,22 @@ def main():
     # The update's shuffles seeded, as grpo.py seeds them: each run writes the same stories and
     # does the same work, so that two runs differ only by the machine's speed.
     torch.manual_seed(0)
-    runs = [measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions)
-            for seed in range(args.repeats)]
+    # The peak measured after each rollout, and the fastest taken: a shared machine's speed moves
+    # from one minute to the next, and a peak measured in a slow one would put every share of it
+    # high, even above 100%.
+    runs, peaks = [], []
+    for seed in range(args.repeats):
+        runs.append(measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision,
+                                    both_precisions))
+        peaks.append(matmul_peak(device, DTYPES[precision]))
+    peak = max(peaks)
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    memory = peak_memory_mb(device)  # the rollouts' own: the peak's and the bandwidth's buffers below would raise it
-    peak = matmul_peak(device, DTYPES[precision])
+    # The rollouts' own (the peak's three matrices, between them, hold less; the bandwidth's
+    # buffer below would raise it).
+    memory = peak_memory_mb(device)
     print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average; "
-          f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s")
+          f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s (the fastest after each "
+          f"rollout: {min(peaks) / 1e12:.2f} to {peak / 1e12:.2f})")
     print(report(runs, peak))
     floor = median["whole rollout work"] / peak
     print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took "

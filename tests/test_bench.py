@@ -150,6 +150,23 @@ def test_rollout_benchmark_reports_each_figure_s_median_and_the_repeats_range():
     assert report([run(10.0, 29.0, 3.0)], peak=1.0).splitlines()[2] == "| writing | 10.0 | 25% | 30% |"
 
 
+# A shared machine's speed moves from one minute to the next: the peak is measured after each
+# rollout, and the fastest is the one every share divides by.
+def test_rollout_benchmark_takes_the_fastest_peak_measured_after_each_rollout(run_main, monkeypatch, capsys):
+    import grpo
+    from bench import rollout as rollout_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
+    peaks = iter([2e12, 5e12, 3e12])
+    monkeypatch.setattr(rollout_bench, "matmul_peak", lambda device, dtype: next(peaks))
+    shares = []
+    monkeypatch.setattr(rollout_bench, "report", lambda runs, peak: shares.append(peak) or "")
+    run_main(rollout_bench, "--repeats", "3", "--device", "cpu", "--precision", "fp32")
+    assert shares == [5e12]
+    assert "peak measured at 5.00 TFLOP/s (the fastest after each rollout: 2.00 to 5.00)" in capsys.readouterr().out
+
+
 # The rollouts after the first are written by the updated model, so two runs of the bench
 # write the same stories only if their updates shuffle the stories the same way.
 def test_rollout_benchmark_runs_do_the_same_work_each_time(run_main, monkeypatch):
