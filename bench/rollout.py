@@ -179,8 +179,9 @@ def report(runs, peak):
     lines = ["| part | seconds | share | share of the matrix peak |", "| --- | --- | --- | --- |"]
     for part in PARTS + ("whole rollout",):
         seconds = [run[part] for run in runs]
-        of_peak = "no products" if not runs[0][f"{part} work"] else \
-            figure([run[f"{part} work"] / run[part] / peak for run in runs], "{:.0%}".format)
+        of_peak = "no products"
+        if runs[0][f"{part} work"]:  # each rollout's share from its own work and its own seconds
+            of_peak = figure([run[f"{part} work"] / run[part] / peak for run in runs], "{:.0%}".format)
         lines.append(f"| {part} | {figure(seconds, '{:.1f}'.format)} | {statistics.median(seconds) / total:.0%} "
                      f"| {of_peak} |")
     return "\n".join(lines)
@@ -222,8 +223,8 @@ def main():
         peaks.append(matmul_peak(device, DTYPES[precision]))
     peak = max(peaks)
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    # The rollouts' own (the peak's three matrices, between them, hold less; the bandwidth's
-    # buffer below would raise it).
+    # The most memory the rollouts held: the peak's three matrices, measured between them, hold
+    # less; the bandwidth's buffer below would raise it.
     memory = peak_memory_mb(device)
     print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average; "
           f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s (the fastest after each "

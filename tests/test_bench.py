@@ -130,7 +130,7 @@ def test_rollout_benchmark_times_each_part_and_its_share_of_the_matrix_peak(mach
 # A busy machine moves a rollout's seconds from one to the next, so the table gives each
 # figure's median and the repeats' range: each rollout's share of the peak from its own work
 # and its own seconds.
-def test_rollout_benchmark_reports_each_figure_s_median_and_the_repeats_range():
+def test_rollout_benchmark_reports_each_figure_as_the_median_and_the_range_of_its_rollouts():
     from bench.rollout import report
 
     def run(writing, update, story_tokens):
@@ -160,10 +160,15 @@ def test_rollout_benchmark_takes_the_fastest_peak_measured_after_each_rollout(ru
     monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
     peaks = iter([2e12, 5e12, 3e12])
     monkeypatch.setattr(rollout_bench, "matmul_peak", lambda device, dtype: next(peaks))
-    shares = []
-    monkeypatch.setattr(rollout_bench, "report", lambda runs, peak: shares.append(peak) or "")
+    divided_by = []
+
+    def report(runs, peak):
+        divided_by.append(peak)
+        return ""
+
+    monkeypatch.setattr(rollout_bench, "report", report)
     run_main(rollout_bench, "--repeats", "3", "--device", "cpu", "--precision", "fp32")
-    assert shares == [5e12]
+    assert divided_by == [5e12]
     assert "peak measured at 5.00 TFLOP/s (the fastest after each rollout: 2.00 to 5.00)" in capsys.readouterr().out
 
 
