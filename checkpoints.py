@@ -4,13 +4,16 @@ with, and its checkpoints, saved whole or not at all and loaded safely. Plumbing
 training script imports; a learner may skip it.
 """
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 from textwrap import shorten
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
+import distributed
 from files import atomic
 from model import GPT, Config
 
@@ -39,10 +42,28 @@ def run_settings(args, constants, **more):
     return {**recorded, **options, **more}
 
 
+def run_writer(run, resumed):
+    """The run's TensorBoard writer; under torchrun, rank 0's, the others' writing nothing. A
+    new run moves the event files an earlier run left in its folder into a folder of their own
+    within it, earlier-<when that run last wrote>: TensorBoard shows it as a run of its own,
+    and no curve joins the two runs' points. A resumed run writes on beside its own."""
+    if not distributed.is_main():
+        return distributed.NoWriter()
+    earlier = list(Path(run).glob("events.out.tfevents.*"))
+    if earlier and not resumed:
+        last_written = time.localtime(max(path.stat().st_mtime for path in earlier))
+        kept = Path(run) / time.strftime("earlier-%Y-%m-%d-%H%M%S", last_written)
+        kept.mkdir(exist_ok=True)
+        for path in earlier:
+            path.rename(kept / path.name)
+        print(f"a new run in {run}: the earlier run's TensorBoard log moved to {kept}")
+    return SummaryWriter(run)
+
+
 def logged(run, tag):
-    """A run's TensorBoard points of one tag, {step: value}: of each step, the point written
-    last, as a run folder keeps the points of every run written to it (a run that went on
-    from a checkpoint writes its steps again)."""
+    """A run's TensorBoard points of one tag, {step: value}, from its folder's own event files
+    (not those of an earlier run, moved into a folder within it): of each step, the point
+    written last, as a run that went on from a checkpoint writes its steps again."""
     events = EventAccumulator(str(run), size_guidance={"scalars": 0})
     events.Reload()
     points = events.Scalars(tag) if tag in events.Tags()["scalars"] else []

@@ -39,10 +39,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer, save_checkpoint
 from data import SEED, instruction
 from devices import autocast, pick_device
 from evaluate import heldout_stories, load_instructions, words_used
@@ -154,7 +153,7 @@ def main():
     policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer).eval()
     reference = copy.deepcopy(policy).requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=LR)
-    writer = SummaryWriter(RUNS / name)
+    writer = run_writer(RUNS / name, resumed=False)
     writer.add_text("settings", json.dumps({**settings, "pairs": len(pairs), "made_with": made_with}, indent=1), 0)
     rng = np.random.default_rng(args.seed)
     step = 0

@@ -72,10 +72,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, save_checkpoint
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer, save_checkpoint
 from data import SEED, WORD, ask, instruction
 from devices import autocast, default_precision
 from files import check_writable, read_instructions, read_words
@@ -306,7 +305,7 @@ def main():
           f"{len(held_back)} held back, {cut} of which are longer than {MAX_LENGTH} tokens and cut there")
     train_tokens, valid_tokens = load_tokens("train"), load_tokens("valid")
     pad = tokenizer.eot  # any token: padding is never a target
-    writer = SummaryWriter(RUNS / name) if distributed.is_main() else distributed.NoWriter()
+    writer = run_writer(RUNS / name, resumed=False)
     writer.add_text("settings", json.dumps(settings, indent=1), 0)
     step = 0
 

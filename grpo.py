@@ -45,10 +45,9 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer
 from devices import autocast, resumed_precision
 from dpo import evaluate
 from evaluate import load_instructions, words_used
@@ -151,7 +150,7 @@ def main():
     print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the policy itself.
     ddp_policy = distributed.wrap(policy)
-    writer = SummaryWriter(RUNS / "grpo" / name) if distributed.is_main() else distributed.NoWriter()
+    writer = run_writer(RUNS / "grpo" / name, args.resume)
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
     @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it

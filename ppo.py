@@ -59,10 +59,9 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer
 from devices import autocast, resumed_precision
 from dpo import evaluate, target_logprobs
 from evaluate import load_instructions, words_used
@@ -202,7 +201,7 @@ def main():
     print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the modules themselves.
     ddp_policy, ddp_critic = distributed.wrap(policy), distributed.wrap(critic)
-    writer = SummaryWriter(RUNS / "ppo" / name) if distributed.is_main() else distributed.NoWriter()
+    writer = run_writer(RUNS / "ppo" / name, args.resume)
     writer.add_text("settings", json.dumps(settings, indent=1), rollout_count)
 
     @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it

@@ -36,10 +36,9 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, save_checkpoint
+from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, run_writer, save_checkpoint
 from data import SEED
 from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable, require
@@ -273,7 +272,7 @@ def main():
     print(json.dumps(settings))
     # Under torchrun, DDP averages the processes' gradients at each step; in one process, the model itself.
     ddp_model = distributed.wrap(model)
-    writer = SummaryWriter(RUNS / "pretrain") if distributed.is_main() else distributed.NoWriter()
+    writer = run_writer(RUNS / "pretrain", args.resume)
     writer.add_text("settings", json.dumps(settings, indent=1), step)
 
     @distributed.on_rank_0  # under torchrun, rank 0 alone validates and saves, the others waiting for it

@@ -13,7 +13,9 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import tokenizer as bpe
-from checkpoints import checkpoint_file, load_checkpoint, logged, read_checkpoint, run_settings, save_checkpoint
+import distributed
+from checkpoints import (checkpoint_file, load_checkpoint, logged, read_checkpoint, run_settings, run_writer,
+                         save_checkpoint)
 from model import GPT, TINY, Config
 
 
@@ -60,6 +62,39 @@ def test_of_a_step_logged_twice_the_point_written_last_counts(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
     assert logged(tmp_path, "rollout/kl") == {1: 10.0, 2: 20.0, 3: 3.0}
     assert logged(tmp_path, "rollout/reward") == {}  # a tag the run never logged
+
+
+def write_points(run, resumed, points):
+    writer = run_writer(run, resumed)
+    for step, value in points.items():
+        writer.add_scalar("rollout/reward", value, step)
+    writer.close()
+
+
+def test_a_new_run_moves_an_earlier_runs_log_into_a_folder_of_its_own(tmp_path, capsys):
+    # A run of 10 rollouts, resumed for an 11th; then a new run of 4 in the same folder. Read
+    # with the earlier run's files, the new run's curve would go on with its rollouts 4 to 10.
+    run = tmp_path / "runs" / "grpo" / "kl-0.05"
+    earlier = {step: float(step) for step in range(10)}
+    write_points(run, False, earlier)
+    write_points(run, True, {10: 50.0})
+    earlier[10] = 50.0
+    assert logged(run, "rollout/reward") == earlier  # a resumed run's points join its own
+    write_points(run, False, {step: 100.0 + step for step in range(4)})
+    assert logged(run, "rollout/reward") == {step: 100.0 + step for step in range(4)}
+    [kept] = [path for path in run.iterdir() if path.is_dir()]
+    assert re.fullmatch(r"earlier-\d{4}-\d\d-\d\d-\d{6}", kept.name)
+    assert logged(kept, "rollout/reward") == earlier  # nothing lost: both of that run's files
+    assert f"moved to {kept}" in capsys.readouterr().out
+
+
+def test_under_torchrun_only_rank_0_writes_or_moves_a_log(tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "pretrain"
+    write_points(run, False, {0: 1.0})
+    monkeypatch.setattr(distributed, "is_main", lambda: False)
+    write_points(run, False, {0: 2.0})
+    assert [path.is_file() for path in run.iterdir()] == [True]
+    assert logged(run, "rollout/reward") == {0: 1.0}
 
 
 def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):

@@ -13,7 +13,7 @@ import devices
 import grpo
 import ppo
 import rl
-from checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
+from checkpoints import load_checkpoint, logged, read_checkpoint, save_checkpoint
 from model import TINY, GPT, Config
 
 
@@ -60,6 +60,11 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
     steps_a_rollout = len(whole) // 4
     assert len(then) == 2 * steps_a_rollout  # rollouts 3 and 4
     assert first[:2 * steps_a_rollout] + then == whole
+    # Its log, too: the new run moved the uninterrupted run's aside, and the resumed one wrote on beside its own.
+    run = workspace / "runs" / script.__name__ / folder.name
+    [kept] = [path for path in run.iterdir() if path.is_dir()]
+    assert logged(run, "rollout/reward") == logged(kept, "rollout/reward")
+    assert list(logged(run, "rollout/reward")) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])

@@ -12,7 +12,7 @@ import devices
 import finetune
 import launch
 import train
-from checkpoints import load_checkpoint, save_checkpoint
+from checkpoints import load_checkpoint, logged, save_checkpoint
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt
 from test_ppo import tiny_policy
@@ -214,6 +214,10 @@ def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(
     assert straight["config"]["dropout"] > 0
     for name, weights in straight["model"].items():
         assert torch.equal(resumed["model"][name], weights), name
+    # And its log reads as the uninterrupted run's: the resumed run wrote on beside its own.
+    logs = tmp_path / "straight" / "runs" / "pretrain", tmp_path / "stopped" / "runs" / "pretrain"
+    assert list(logged(logs[1], "loss/valid")) == [2, 4]
+    assert logged(logs[1], "loss/valid") == logged(logs[0], "loss/valid")
 
 
 def test_resume_refuses_a_checkpoint_that_is_not_pretraining_s_own(workspace, workspace_tokenizer, tmp_path,
