@@ -219,10 +219,14 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
     from bench import decode
     from bench import train as train_bench
 
-    monkeypatch.setattr(decode, "matmul_peak", lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256,
-                                                                                              repeats=2))
+    # The peak measured before the steps and after them, the faster the one the step is divided by.
+    peaks = iter([2e12, 5e12])
+    monkeypatch.setattr(decode, "matmul_peak", lambda device, dtype: next(peaks))
     run_main(decode, "--positions", "22", "--steps", "2", "--device", "cpu", "--precision", "fp32")
     out = capsys.readouterr().out
+    assert "the matrix-product peak: 5.000 TFLOP/s, the faster of 2.000 before the steps and 5.000 after them" in out
+    at_the_peak = decode.step_flops(GPT(Config()), 22) / 5e12 * 1000
+    assert f"and the step's products at the peak {at_the_peak:.1f} ms" in out
     assert re.search(r"a step of 128 rows at 22 cached positions: [\d.]+ ms, [\d,]+ tokens per second, \d+% of "
                      r"the matrix peak", out)
     assert "aten::addmm" in out  # the matrix products, among the operators listed
@@ -389,6 +393,18 @@ def test_matmul_peak_is_a_products_flops_over_the_fastest_products_seconds(monke
     with FlopCounterMode(display=False) as counter:
         peak = train_bench.matmul_peak(torch.device("cpu"), torch.float32, size=64, repeats=3)
     assert peak == pytest.approx(counter.get_total_flops() / 4 / 0.5)  # 4 products: a warm-up, then 3 timed
+
+
+@pytest.mark.parametrize("peaks", [(5e12, 2e12), (2e12, 5e12)], ids=["faster-before", "faster-after"])
+def test_training_benchmark_divides_by_the_faster_peak_measured_before_and_after_its_steps(peaks, monkeypatch):
+    monkeypatch.setattr(train_bench, "Config", lambda: Config(**TINY))
+    monkeypatch.setattr(train_bench, "BATCH", 2)
+    monkeypatch.setattr(train_bench, "CONTEXT", 16)
+    measured = iter(peaks)
+    monkeypatch.setattr(train_bench, "matmul_peak", lambda device, dtype: next(measured))
+    result = train_bench.measure("fp32", 1, torch.device("cpu"))
+    assert result["peak_tflops"] == 5.0
+    assert result["share_of_peak"] == pytest.approx(result["tflops"] / 5.0)
 
 
 def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
