@@ -147,11 +147,12 @@ def main():
     print(json.dumps(settings))
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer()
-    pairs, made_with = load_pairs(tokenizer)
-    instructions = load_instructions()
     # The model to train and its frozen copy, the reference; dropout off in both.
     policy = load_checkpoint(CHECKPOINTS / "finetune", device, tokenizer).eval()
     reference = copy.deepcopy(policy).requires_grad_(False)
+    # The pairs: that model's own stories, refused if another model wrote them.
+    pairs, made_with = load_pairs(tokenizer, written_by=CHECKPOINTS / "finetune")
+    instructions = load_instructions()
     optimizer = torch.optim.Adam(policy.parameters(), lr=LR)
     writer = run_writer(RUNS / name, resumed=False)
     writer.add_text("settings", json.dumps({**settings, "pairs": len(pairs), "made_with": made_with}, indent=1), 0)

@@ -21,11 +21,11 @@ from collections import Counter
 
 import numpy as np
 
-from checkpoints import CHECKPOINTS, load_checkpoint
+from checkpoints import CHECKPOINTS, checkpoint_file, load_checkpoint
 from data import SEED
 from devices import pick_device
 from evaluate import words_used
-from files import DATA, atomic, check_writable, read_instructions
+from files import DATA, atomic, check_writable, file_hash, read_instructions
 from sample import MAX_NEW_TOKENS, write_stories
 from tokenizer import encode_prompt, load_tokenizer
 
@@ -88,9 +88,10 @@ def what_they_differ_by(pairs, eot):
               f"{np.mean([s[-1] == eot for s in stories]):.0%} of them end")
 
 
-def load_pairs(tokenizer, path=PAIRS):
+def load_pairs(tokenizer, path=PAIRS, written_by=None):
     """The saved pairs and the settings that made them, refused unless each pair is an
-    instruction and two stories' tokens of this tokenizer, the chosen one the better."""
+    instruction and two stories' tokens of this tokenizer, the chosen one the better; and,
+    given a model's folder (DPO's fine-tuned model), unless that model wrote them."""
     if not path.exists():
         raise SystemExit(f"no {path}: make it with python preferences.py")
     try:
@@ -114,6 +115,14 @@ def load_pairs(tokenizer, path=PAIRS):
                          "make it again with python preferences.py")
     if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
+    # Written by another model (the fine-tuned model, made again since), they are not the stories
+    # of the model DPO starts from, whose reference would not be the model that wrote them. (A
+    # file from before the pairs recorded their model's hash is taken as it is.)
+    if written_by and "model_hash" in settings:
+        model = checkpoint_file(written_by)
+        if settings["model_hash"] != file_hash(model):
+            raise SystemExit(f"{path} holds the stories of another model than {model} (made again since?); "
+                             "make the pairs again with python preferences.py")
     return pairs, settings
 
 
@@ -163,7 +172,7 @@ def main():
         raise SystemExit(f"every instruction's stories tied, so there are no pairs; {PAIRS} is left as it was. "
                          "Try more --instructions or --stories")
     settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0,
-                "tokenizer": tokenizer.fingerprint()}
+                "tokenizer": tokenizer.fingerprint(), "model_hash": file_hash(checkpoint_file(args.model))}
     with atomic(PAIRS) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")
     chosen, rejected = (np.mean([p[f"{side}_reward"] for p in pairs]) for side in ("chosen", "rejected"))

@@ -1,6 +1,7 @@
 import copy
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 import dpo
 import finetune
 import preferences
-from checkpoints import read_checkpoint
+from checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
 from data import instruction
 from tokenizer import encode_prompt
 from train import learning_rate
@@ -162,3 +163,29 @@ def test_the_reference_stays_the_fine_tuned_model_and_the_first_step_logs_log_2(
     # Step 1: the policy is its reference, so each pair's loss is log 2 (the batch's mean, not
     # its sum) and no pair's margin is positive yet.
     assert "step 1: loss 0.693, margin 0.000, accuracy 0%" in capsys.readouterr().out
+
+
+def test_pairs_another_model_wrote_are_refused_before_any_step(workspace, workspace_tokenizer, run_main, monkeypatch):
+    # The fine-tuned model made again after the pairs were written: they are no longer its stories.
+    eight_pairs_of_one_story(run_main)
+    model = workspace / "checkpoints" / "finetune" / "model.pt"
+    kept = workspace / "finetune-model-kept.pt"
+    shutil.copy2(model, kept)
+    steps = []
+    monkeypatch.setattr(dpo, "optimizer_step", lambda *args: steps.append(args))
+    try:
+        made_again = load_checkpoint(model.parent, tokenizer=workspace_tokenizer)
+        torch.nn.init.normal_(made_again.head.weight)
+        save_checkpoint(model.parent, made_again, workspace_tokenizer, {"script": "finetune.py", "step": 1})
+        with pytest.raises(SystemExit, match=r"holds the stories of another model than checkpoints/finetune/model.pt "
+                                             r"\(made again since\?\); make the pairs again with python preferences.py"):
+            run_main(dpo, "--steps", "1", "--precision", "fp32", "--device", "cpu")
+        assert steps == []
+        # Pairs from before they recorded their model are taken as they are.
+        saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))
+        del saved["settings"]["model_hash"]
+        preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+        run_main(dpo, "--steps", "1", "--precision", "fp32", "--device", "cpu")
+        assert len(steps) == 1
+    finally:
+        shutil.copy2(kept, model)
