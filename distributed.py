@@ -101,6 +101,14 @@ def script():
     return os.path.basename(sys.argv[0])
 
 
+def one_process(script):
+    """Stops a script that runs in one process when torchrun started it: each process would do
+    all of its work, and write its results again."""
+    if under_torchrun():
+        refuse(f"{script} runs in one process: python {script} (torchrun takes train.py, finetune.py, ppo.py "
+               "and grpo.py)")
+
+
 def refuse(message):
     """Stops every process, the first of each machine with the line that says why, the others
     without a word a moment later (after it, so that the line comes once and first; torchrun

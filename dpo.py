@@ -133,11 +133,8 @@ def main():
     parser.add_argument("--seed", type=int, default=SEED,
                         help=f"the order of the pairs (default {SEED}); another seed gets folders of its own")
     args = parse_training_args(parser)
-    # One process: its 100 steps are minutes on a laptop; under torchrun each process would
-    # run the whole of it, and save and log it again.
-    if distributed.under_torchrun():
-        distributed.refuse("dpo.py runs in one process: python dpo.py (torchrun takes train.py, finetune.py, "
-                           "ppo.py and grpo.py)")
+    # One process: its 100 steps are minutes on a laptop.
+    distributed.one_process("dpo.py")
     name = run_name(args.seed)
     check_writable(CHECKPOINTS / name, RUNS / name)  # now, not when the model is saved
 

@@ -42,6 +42,7 @@ import os
 import re
 from pathlib import Path
 
+import distributed
 from checkpoints import RUNS, checkpoint_file, model_from, read_checkpoint
 from data import HELDOUT, WORD, read_heldout
 from devices import pick_device
@@ -190,6 +191,7 @@ def main():
     args = parser.parse_args()
     if args.seeds < 1 or (args.valid_windows is not None and args.valid_windows < 1):
         parser.error("--seeds and --valid-windows must be at least 1 (or --valid-windows all)")
+    distributed.one_process("evaluate.py")
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()

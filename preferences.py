@@ -21,6 +21,7 @@ from collections import Counter
 
 import numpy as np
 
+import distributed
 from checkpoints import CHECKPOINTS, checkpoint_file, load_checkpoint
 from data import SEED
 from devices import pick_device
@@ -151,6 +152,7 @@ def main():
     args = parser.parse_args()
     if args.instructions < 1 or args.stories < 2:
         parser.error("--instructions must be at least 1 and --stories at least 2")
+    distributed.one_process("preferences.py")
     check_writable(PAIRS.parent)  # now, not when the pairs are saved
 
     device = pick_device(args.device)

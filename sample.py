@@ -32,6 +32,7 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
+import distributed
 from checkpoints import CHECKPOINTS, load_checkpoint
 from data import instruction
 from devices import pick_device
@@ -340,6 +341,7 @@ def main():
         parser.error("--top-k and --tokens must be at least 1")
     if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
+    distributed.one_process("sample.py")
 
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, pick_device(args.device), tokenizer)

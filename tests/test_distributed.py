@@ -20,10 +20,13 @@ import torch.multiprocessing as mp
 import devices
 import distributed
 import dpo
+import evaluate
 import finetune
 import grpo
 import launch
 import ppo
+import preferences
+import sample
 import train
 from checkpoints import read_checkpoint
 from model import GPT, TINY, Config
@@ -213,13 +216,24 @@ def test_pretraining_and_fine_tuning_refuse_three_processes_before_they_make_a_f
     assert (tmp_path / "checkpoints" / folder).exists() == (folder == "finetune")  # the fine-tuned model, copied
 
 
-def test_dpo_refuses_torchrun_before_it_makes_a_folder(workspace, tmp_path, monkeypatch):
-    # Each process would run all of DPO, and save and log it again.
+# Each process would do all of the script's work, and write its results again.
+@pytest.mark.parametrize("script, args, writes", [
+    (dpo, ["--steps", "1"], ["runs", "checkpoints/dpo"]),
+    (evaluate, ["checkpoints/finetune"], ["runs"]),
+    (preferences, ["--instructions", "1"], ["data/preferences.json"]),
+    (sample, ["--words", "rain", "cake", "jump"], []),
+], ids=["dpo", "evaluate", "preferences", "sample"])
+def test_a_script_of_one_process_refuses_torchrun_before_it_writes_anything(script, args, writes, workspace, tmp_path,
+                                                                           monkeypatch, capsys):
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit, match=r"^dpo.py runs in one process: python dpo.py \(torchrun takes"):
-        in_one_process(learner(workspace, tmp_path), monkeypatch, dpo, "--steps", "1")
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints" / "dpo").exists()
+    monkeypatch.chdir(learner(workspace, tmp_path))
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *args, "--device", "cpu"])
+    with pytest.raises(SystemExit, match=rf"^{script.__name__}.py runs in one process: python {script.__name__}.py "
+                                         r"\(torchrun takes train.py, finetune.py, ppo.py and grpo.py\)$"):
+        script.main()
+    assert not [path for path in writes if (tmp_path / path).exists()]
+    assert capsys.readouterr().out == ""  # not a story, nor a setting
 
 
 def test_a_missing_backend_is_refused_in_one_line(workspace, tmp_path, monkeypatch):
