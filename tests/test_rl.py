@@ -53,6 +53,8 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
     monkeypatch.setattr(script, "EVAL_EVERY", 2)
     args = ["--rollouts", "4", "--seed", "7", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3"]
     folder = workspace / "checkpoints" / script.__name__ / "kl-0.05-lr-0.003-seed-7"  # the run's own
+    run = workspace / "runs" / script.__name__ / folder.name
+    shutil.rmtree(run, ignore_errors=True)  # an earlier test's run of these options
     whole = stepped_losses(script, run_main, monkeypatch, args)
     shutil.rmtree(folder)
     first = stepped_losses(script, run_main, monkeypatch, args, stop_before=3)
@@ -61,7 +63,6 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
     assert len(then) == 2 * steps_a_rollout  # rollouts 3 and 4
     assert first[:2 * steps_a_rollout] + then == whole
     # Its log, too: the new run moved the uninterrupted run's aside, and the resumed one wrote on beside its own.
-    run = workspace / "runs" / script.__name__ / folder.name
     [kept] = [path for path in run.iterdir() if path.is_dir()]
     assert logged(run, "rollout/reward") == logged(kept, "rollout/reward")
     assert list(logged(run, "rollout/reward")) == [1, 2, 3, 4]
