@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from bench.common import grpo_asks  # noqa: E402
 from bench.decode import attention_ways  # noqa: E402
-from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
+from bench.rollout import writing_flops  # noqa: E402
+from bench.train import DTYPES, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, default_precision, machine  # noqa: E402
 from grpo import rollout  # noqa: E402
@@ -207,7 +208,7 @@ def errors_from_float64(attention, dtype, rows=128, heads=6, channels=64, blocks
 def writing_in_pairs(model, tokenizer, attention, pairs, precision):
     """A rollout's writing in `precision` with block_attention and with `attention` in turn,
     `pairs` times, each pair the same instructions and draws, the order changing each pair:
-    each way's seconds and tokens."""
+    each way's seconds, tokens and matrix products."""
     asks = grpo_asks(tokenizer)
     ways = {"kernels.block_attention": kernels.block_attention, "the kernel": attention}
     taken = {way: [] for way in ways}
@@ -218,8 +219,9 @@ def writing_in_pairs(model, tokenizer, attention, pairs, precision):
             for way in list(ways)[::1 if pair % 2 == 0 else -1]:
                 with mock.patch.object(kernels, "block_attention", ways[way]):
                     started = time.perf_counter()
-                    _, stories, _ = rollout(model, tokenizer, asks, np.random.default_rng(pair), pair)
-                    taken[way].append((time.perf_counter() - started, sum(len(story) for story in stories)))
+                    prompts, stories, _ = rollout(model, tokenizer, asks, np.random.default_rng(pair), pair)
+                    taken[way].append((time.perf_counter() - started, sum(len(story) for story in stories),
+                                       writing_flops(model, prompts, stories)))
     return taken
 
 
@@ -255,15 +257,15 @@ def main():
 
     if args.rollouts:
         taken = writing_in_pairs(model, tokenizer, attention, args.rollouts, precision)
-        # The writing's share of the peak as bench/rollout.py counts it, a forward pass a story
-        # token (the rollout's scoring, about 0.02 s, included here).
-        peak, forward = matmul_peak(torch.device("cpu"), DTYPES[precision]), flops_per_token(model) / 3
+        # The writing's share of the peak as bench/rollout.py counts it (the rollout's scoring,
+        # about 0.02 s, included here).
+        peak = matmul_peak(torch.device("cpu"), DTYPES[precision])
         print(f"\na rollout's writing, 128 stories, {precision}, {args.rollouts} pairs in one process (medians; "
               f"the {precision} matrix peak measured at {peak / 1e12:.3f} TFLOP/s):")
         for way, runs in taken.items():
-            print(f"  {way}: {statistics.median(s for s, _ in runs):.2f} s, "
-                  f"{statistics.median(s / tokens * 1e6 for s, tokens in runs):.0f} µs a token, "
-                  f"{statistics.median(tokens * forward / s for s, tokens in runs) / peak:.0%} of the peak")
+            print(f"  {way}: {statistics.median(s for s, _, _ in runs):.2f} s, "
+                  f"{statistics.median(s / tokens * 1e6 for s, tokens, _ in runs):.0f} µs a token, "
+                  f"{statistics.median(work / s for s, _, work in runs) / peak:.0%} of the peak")
         ratios = [kernel[0] / plain[0] for plain, kernel in zip(*taken.values())]
         print(f"  the kernel's time over block_attention's, pair by pair: {', '.join(f'{r:.2f}' for r in ratios)} "
               f"(median {statistics.median(ratios):.2f})")

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import read_bandwidth, timed  # noqa: E402
-from bench.train import DTYPES, matmul_peak  # noqa: E402
+from bench.train import DTYPES, forward_flops, matmul_peak  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from kernels import CACHE_BLOCK, block_attention, log_softmax_at  # noqa: E402
 from model import GPT, Config  # noqa: E402
@@ -48,9 +48,7 @@ ROWS, PROMPT, GROUP = 128, 20, 8  # a GRPO rollout's stories, its prompts' lengt
 def step_flops(model, positions):
     """A single-token step's work for ROWS rows: the matrix products (two FLOPs a weight) and the
     attention over the cached positions (queries with keys, weights with values)."""
-    c = model.config
-    matrices = model.parameter_count() - c.context * c.n_embd  # all but the position lookup
-    return ROWS * (2 * matrices + 4 * c.n_layer * c.n_embd * positions)
+    return forward_flops(model, ROWS, ROWS * positions)
 
 
 def writing_steps(model, device, positions, steps):

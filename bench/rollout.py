@@ -44,7 +44,7 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import grpo_asks, peak_memory_mb, read_bandwidth, timed  # noqa: E402
-from bench.train import DTYPES, flops_per_token, matmul_peak  # noqa: E402
+from bench.train import DTYPES, forward_flops, matmul_peak  # noqa: E402
 from checkpoints import CHECKPOINTS, load_checkpoint  # noqa: E402
 from devices import autocast, default_precision, machine, pick_device  # noqa: E402
 from evaluate import words_used  # noqa: E402
@@ -76,6 +76,15 @@ def cache_bytes_read(prompts, stories, config, element_size):
     each up to the batch's longest row, and rows whose story has ended until they leave."""
     per_position = 2 * config.n_layer * config.n_embd * element_size
     return per_position * sum(len(prompt) + k for prompt, story in zip(prompts, stories) for k in range(1, len(story)))
+
+
+def writing_flops(model, prompts, stories):
+    """The writing's matrix products: a forward pass for each story token, the one that drew
+    it, attending to its prompt and to its story before it (the first token comes from the
+    prompt's last position). Tokens drawn after a story ended are not the stories'."""
+    attended = sum(len(story) * len(prompt) + len(story) * (len(story) - 1) // 2
+                   for prompt, story in zip(prompts, stories))
+    return forward_flops(model, sum(len(story) for story in stories), attended)
 
 
 def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device, precision, both_precisions):
@@ -120,11 +129,12 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
            "cache_bytes_read": cache_bytes_read(prompts, stories, policy.config, DTYPES[precision].itemsize)}
     run["whole rollout"] = sum(run[part] for part in PARTS)
-    # Each part's matrix products (the FLOPs of its forward and backward passes); a forward pass
-    # is a third of a training step's work (forward, and backward twice as much).
-    forward = flops_per_token(policy) / 3
-    work = {"writing": written * forward, "scoring": 0.0, "logprobs": 2 * x.numel() * forward,
-            "update": EPOCHS * x.numel() * 3 * forward}
+    # Each part's matrix products, a backward pass twice a forward's. A pass over the packed
+    # stories computes every position of every row, each attending to itself and those before it.
+    rows, positions = x.shape
+    a_pass = forward_flops(policy, x.numel(), rows * positions * (positions + 1) // 2)
+    work = {"writing": writing_flops(policy, prompts, stories), "scoring": 0.0, "logprobs": 2 * a_pass,
+            "update": EPOCHS * 3 * a_pass}
     run.update({f"{part} work": flops for part, flops in work.items()})
     run["whole rollout work"] = sum(work.values())
     return run

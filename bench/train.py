@@ -43,10 +43,20 @@ def matmul_peak(device, dtype, size=4096, repeats=10):
     return 2 * size**3 / fastest
 
 
-def flops_per_token(model):
+def forward_flops(model, tokens, attended):
+    """The matrix products of a forward pass over `tokens` tokens that attend to `attended`
+    positions in all (each to itself and those before it): two FLOPs a weight for each token,
+    and four a channel of each layer for each position attended (the query with its key, the
+    attention's weight with its value)."""
     c = model.config
     matrices = model.parameter_count() - c.context * c.n_embd  # all but the position lookup
-    return 6 * matrices + 12 * c.n_layer * c.n_embd * CONTEXT
+    return 2 * matrices * tokens + 4 * c.n_layer * c.n_embd * attended
+
+
+def flops_per_token(model):
+    """A training step's work a token: a forward pass, and a backward pass twice as much, the
+    attention counted over the whole window, as PaLM counts it (and torch's math kernel works)."""
+    return 3 * forward_flops(model, 1, CONTEXT)
 
 
 def measure(precision, steps, device):

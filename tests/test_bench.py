@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.cpp_extension import is_ninja_available
 
 import kernels
+import ppo
 from bench import common, decode
 from bench import train as train_bench
 from model import GPT, TINY, Config
@@ -199,6 +200,38 @@ def test_rollout_benchmark_runs_do_the_same_work_each_time(run_main, monkeypatch
         run_main(rollout_bench, "--repeats", "2", "--device", "cpu", "--precision", "fp32")
     assert not torch.equal(weights_after[0], weights_after[1])  # the second update moved it
     assert torch.equal(weights_after[1], weights_after[3])
+
+
+# The work a part's seconds are divided by: each token's forward pass attends to the positions
+# it sees, itself and those before it, not to a whole window (a writing step's count is
+# checked against torch's counter in test_step_flops_...).
+def test_the_writing_s_work_is_a_forward_pass_for_each_story_token_over_the_positions_it_sees():
+    from bench import rollout as rollout_bench
+
+    model = tiny_model()
+    prompts, stories = [[1, 2, 3], [4, 5]], [[7, 8], [9, 9, 9, 0]]
+    # A story's first token comes from its prompt's last position, each later one from the step over the one before.
+    each = [train_bench.forward_flops(model, 1, len(prompt) + k) for prompt, story in zip(prompts, stories)
+            for k in range(len(story))]
+    assert rollout_bench.writing_flops(model, prompts, stories) == sum(each)
+
+
+def test_the_log_probabilities_and_the_update_count_each_position_over_those_before_it(run_main, monkeypatch):
+    import grpo
+    from bench import rollout as rollout_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "matmul_peak", lambda device, dtype: 1e12)
+    measured, measure = [], rollout_bench.measure_rollout
+    monkeypatch.setattr(rollout_bench, "measure_rollout", lambda policy, *args: measured.append(
+        (policy, measure(policy, *args))) or measured[-1][1])
+    run_main(rollout_bench, "--repeats", "1", "--device", "cpu", "--precision", "fp32")
+    [(policy, run)] = measured
+    rows, positions = 128, run["positions"] // 128
+    a_pass = sum(rows * train_bench.forward_flops(policy, 1, position) for position in range(1, positions + 1))
+    assert run["logprobs work"] == 2 * a_pass  # the policy's and the reference's
+    assert run["update work"] == ppo.EPOCHS * 3 * a_pass  # forward and backward, each pass over the stories
 
 
 def test_the_literal_loop_counts_the_story_tokens_it_wrote_as_the_rollout_does(monkeypatch):
