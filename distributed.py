@@ -101,12 +101,12 @@ def script():
     return os.path.basename(sys.argv[0])
 
 
-def one_process(script):
+def one_process():
     """Stops a script that runs in one process when torchrun started it: each process would do
     all of its work, and write its results again."""
     if under_torchrun():
-        refuse(f"{script} runs in one process: python {script} (torchrun takes train.py, finetune.py, ppo.py "
-               "and grpo.py)")
+        refuse(f"{script()} runs in one process: python {script()} (torchrun takes train.py, finetune.py, "
+               "ppo.py and grpo.py)")
 
 
 def refuse(message):

@@ -134,7 +134,7 @@ def main():
                         help=f"the order of the pairs (default {SEED}); another seed gets folders of its own")
     args = parse_training_args(parser)
     # One process: its 100 steps are minutes on a laptop.
-    distributed.one_process("dpo.py")
+    distributed.one_process()
     name = run_name(args.seed)
     check_writable(CHECKPOINTS / name, RUNS / name)  # now, not when the model is saved
 

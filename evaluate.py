@@ -191,7 +191,7 @@ def main():
     args = parser.parse_args()
     if args.seeds < 1 or (args.valid_windows is not None and args.valid_windows < 1):
         parser.error("--seeds and --valid-windows must be at least 1 (or --valid-windows all)")
-    distributed.one_process("evaluate.py")
+    distributed.one_process()
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()

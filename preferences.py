@@ -152,7 +152,7 @@ def main():
     args = parser.parse_args()
     if args.instructions < 1 or args.stories < 2:
         parser.error("--instructions must be at least 1 and --stories at least 2")
-    distributed.one_process("preferences.py")
+    distributed.one_process()
     check_writable(PAIRS.parent)  # now, not when the pairs are saved
 
     device = pick_device(args.device)

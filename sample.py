@@ -341,7 +341,7 @@ def main():
         parser.error("--top-k and --tokens must be at least 1")
     if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
-    distributed.one_process("sample.py")
+    distributed.one_process()
 
     tokenizer = load_tokenizer()
     model = load_checkpoint(args.model, pick_device(args.device), tokenizer)
