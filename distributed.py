@@ -11,18 +11,21 @@ How a run splits over N processes (docs/torchrun.md):
 - Every process draws the same batch (the same seed, so the same random numbers) and takes
   its own rows of it (my_rows). DDP averages the processes' gradients as backward computes
   them, so one update on N processes is one process's update on the same rows, up to the
-  order of float additions (dropout aside: each process draws its own masks). A loss that is a mean over tokens counts by its share() of the
-  batch's tokens, so that the average over the processes is the whole batch's mean.
+  order of float additions (dropout aside: each process draws its own masks). A loss that is
+  a mean over tokens counts by its share() of the batch's tokens, so that the average over
+  the processes is the whole batch's mean.
 - PPO and GRPO: every process draws the same rollout's instructions (GRPO's 16, PPO's 16
-  batches of 8), writes its share of them, and gather() gives every process the whole rollout back: the advantages, the
-  whitening and the figures logged are then computed as one process computes them.
+  batches of 8), writes its share of them, and gather() gives every process the whole
+  rollout back: the advantages, the whitening and the figures logged are then computed as
+  one process computes them.
 - Rank 0 alone prints, logs to TensorBoard, evaluates and saves (on_rank_0, NoWriter); the
   others wait for it. Its clock is everyone's (seconds_since): the learning rate follows
   the minutes, and every process must take the same one, and stop at the same step.
 - The processes talk through NCCL on CUDA GPUs (process i on cuda:i of its machine), gloo on
   the CPU. Apple's GPUs (mps) have no backend: a single process only.
-Bad use (a number of processes that does not split the batch evenly, a missing backend)
-stops every process with one line, printed once.
+Bad use (a number of processes that does not split the batch evenly, a missing backend, a
+script that runs in one process: one_process) stops every process with one line, printed
+once.
 """
 import functools
 import os

@@ -9,13 +9,13 @@ ending a story is something the model has to learn too.
 
 The model's own generate() (model.py) runs the whole story again for every new token.
 generate() here writes fast: the same tokens at temperature 0, and draws from the same
-distribution otherwise (with a draw of its own, so a seed gives other stories than there). The KV cache keeps each layer's keys and
-values, so a new token costs one position. When a batch repeats one prompt (a GRPO group),
-the prompt runs once and its keys and values are copied to every story. A rollout of many
-prompts of several lengths (GRPO's 16 instructions, each 8 times) is one batch too: each
-prompt runs once, each row then writes at its own positions, and rows whose story has ended
-leave the batch. write_stories() writes up to 128 prompts at once this way; the RL episodes
-write their 128 stories with generate().
+distribution otherwise (with a draw of its own, so a seed gives other stories than there).
+The KV cache keeps each layer's keys and values, so a new token costs one position. When a
+batch repeats one prompt (a GRPO group), the prompt runs once and its keys and values are
+copied to every story. A rollout of many prompts of several lengths (GRPO's 16 instructions,
+each 8 times) is one batch too: each prompt runs once, each row then writes at its own
+positions, and rows whose story has ended leave the batch. write_stories() writes up to 128
+prompts at once this way; the RL episodes write their 128 stories with generate().
 
 A prompt starts with an end-of-text token, as every story did in pretraining, so the model
 knows a new story begins. Writing runs in float32 unless the caller asks for bfloat16 with

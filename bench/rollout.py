@@ -125,7 +125,8 @@ def measure_rollout(policy, reference, optimizer, tokenizer, asks, seed, device,
     _, updating = timed(device, update)
     written = int(mask.sum())
     run = {"writing": writing_and_scoring - scoring, "scoring": scoring, "logprobs": logprobs, "update": updating,
-           "by_group": by_group, "by_group_tokens": by_group_tokens, "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
+           "by_group": by_group, "by_group_tokens": by_group_tokens,
+           "other_writing": other_writing, "other_tokens": sum(len(s) for s in other_stories),
            "story_tokens": written, "positions": x.numel(), "mean_length": written / len(x),
            "cache_bytes_read": cache_bytes_read(prompts, stories, policy.config, DTYPES[precision].itemsize)}
     run["whole rollout"] = sum(run[part] for part in PARTS)
