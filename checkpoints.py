@@ -53,9 +53,13 @@ def run_writer(run, resumed):
     if earlier and not resumed:
         last_written = time.localtime(max(path.stat().st_mtime for path in earlier))
         kept = Path(run) / time.strftime("earlier-%Y-%m-%d-%H%M%S", last_written)
-        kept.mkdir(exist_ok=True)
-        for path in earlier:
-            path.rename(kept / path.name)
+        try:
+            kept.mkdir(exist_ok=True)
+            for path in earlier:
+                path.rename(kept / path.name)
+        except OSError as error:  # a file still open elsewhere (TensorBoard, on Windows)
+            raise SystemExit(f"cannot move the earlier run's TensorBoard log in {run} into {kept.name} "
+                             f"({error.strerror}); close what holds it open, or delete it, then run again")
         print(f"a new run in {run}: the earlier run's TensorBoard log moved to {kept}")
     return SummaryWriter(run)
 

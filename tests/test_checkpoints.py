@@ -88,6 +88,20 @@ def test_a_new_run_moves_an_earlier_runs_log_into_a_folder_of_its_own(tmp_path, 
     assert f"moved to {kept}" in capsys.readouterr().out
 
 
+def test_an_earlier_log_that_cannot_be_moved_stops_the_new_run_in_one_line(tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "grpo" / "kl-0.05"
+    write_points(run, False, {0: 1.0})
+
+    def held_open(path, target):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "rename", held_open)
+    with pytest.raises(SystemExit, match=r"^cannot move the earlier run's TensorBoard log in .*kl-0.05 into earlier-"
+                                         r"\S+ \(Permission denied\); close what holds it open, or delete it"):
+        run_writer(run, resumed=False)
+    assert logged(run, "rollout/reward") == {0: 1.0}  # left where it was
+
+
 def test_under_torchrun_only_rank_0_writes_or_moves_a_log(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "pretrain"
     write_points(run, False, {0: 1.0})
