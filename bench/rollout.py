@@ -238,8 +238,8 @@ def main():
     # less; the bandwidth's buffer below would raise it.
     memory = peak_memory_mb(device)
     print(f"median of {args.repeats} rollouts; 128 stories, {median['mean_length']:.0f} tokens each on average; "
-          f"the {precision} matrix-product peak measured at {peak / 1e12:.2f} TFLOP/s (the fastest after each "
-          f"rollout: {min(peaks) / 1e12:.2f} to {peak / 1e12:.2f})")
+          f"the {precision} matrix-product peak measured at {peak / 1e12:.3f} TFLOP/s (the fastest after each "
+          f"rollout: {min(peaks) / 1e12:.3f} to {peak / 1e12:.3f})")
     print(report(runs, peak))
     floor = median["whole rollout work"] / peak
     print(f"\nthe floor, every product at the peak: {floor:.1f} s a rollout; this one took "

@@ -170,7 +170,7 @@ def test_rollout_benchmark_takes_the_fastest_peak_measured_after_each_rollout(ru
     monkeypatch.setattr(rollout_bench, "report", report)
     run_main(rollout_bench, "--repeats", "3", "--device", "cpu", "--precision", "fp32")
     assert divided_by == [5e12]
-    assert "peak measured at 5.00 TFLOP/s (the fastest after each rollout: 2.00 to 5.00)" in capsys.readouterr().out
+    assert "peak measured at 5.000 TFLOP/s (the fastest after each rollout: 2.000 to 5.000)" in capsys.readouterr().out
 
 
 # The rollouts after the first are written by the updated model, so two runs of the bench
