@@ -1,4 +1,5 @@
 import copy
+import itertools
 import json
 import math
 import shutil
@@ -105,20 +106,24 @@ def test_dpo_runs_end_to_end_and_saves_its_model(workspace, run_main, capsys, mo
     assert torch.allclose(losses[0], torch.full_like(losses[0], math.log(2)))
     out = capsys.readouterr().out
     assert "step 0: the held-out stories use" in out and "step 2: loss" in out
+    assert out.count("step 2: the held-out stories use") == 1  # the final model, measured once
 
 
-def eight_pairs_of_one_story(run_main):
-    """data/preferences.json with eight pairs, each asking for other words: the tests' tiny
-    model makes a pair or two, and the first is copied under eight instructions."""
+def pairs_of_one_story(run_main, count=8):
+    """data/preferences.json with `count` pairs (at most 120), each asking for other words: the
+    tests' tiny model makes a pair or two, and the first is copied under `count` instructions.
+    Returns the instructions."""
     run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
     saved = json.loads(preferences.PAIRS.read_text(encoding="utf-8"))
     words = ["cat", "dog", "sun", "tree", "ball", "cake", "rain", "jump", "park", "boat"]
-    saved["pairs"] = [dict(saved["pairs"][0], instruction=instruction(words[i:i + 3])) for i in range(8)]
+    asked = [instruction(three) for three in itertools.islice(itertools.combinations(words, 3), count)]
+    saved["pairs"] = [dict(saved["pairs"][0], instruction=text) for text in asked]
     preferences.PAIRS.write_text(json.dumps(saved), encoding="utf-8")
+    return asked
 
 
 def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, run_main, monkeypatch):
-    eight_pairs_of_one_story(run_main)
+    pairs_of_one_story(run_main)
     first_batches, real_pair_batch = [], dpo.pair_batch
     monkeypatch.setattr(dpo, "pair_batch", lambda pairs, *args: first_batches.append(
         [(p["instruction"], p["chosen_tokens"], p["rejected_tokens"]) for p in pairs]) or real_pair_batch(pairs, *args))
@@ -131,6 +136,24 @@ def test_another_seed_orders_the_pairs_anew_into_folders_of_its_own(workspace, r
     assert read_checkpoint(workspace / "checkpoints" / "dpo-seed-2")["made_by"]["settings"]["seed"] == 2
     assert (workspace / "checkpoints" / "dpo" / "model.pt").read_bytes() == default_model
     assert sorted(path.name for path in (workspace / "runs").glob("dpo*")) == ["dpo", "dpo-seed-2"]
+
+
+def test_each_pass_takes_every_pair_once_in_a_new_order_and_the_last_model_is_measured_once(workspace, run_main,
+                                                                                             monkeypatch):
+    # Two batches of pairs a pass, and three passes.
+    asked = pairs_of_one_story(run_main, 2 * dpo.BATCH)
+    batches, real_pair_batch = [], dpo.pair_batch
+    monkeypatch.setattr(dpo, "pair_batch", lambda pairs, *args: batches.append([p["instruction"] for p in pairs])
+                        or real_pair_batch(pairs, *args))
+    measured = []  # the steps whose model is measured on the held-out instructions
+    monkeypatch.setattr(dpo, "evaluate", lambda policy, tokenizer, instructions, writer, step: measured.append(step))
+    monkeypatch.setattr(dpo, "EVAL_EVERY", 3)
+    run_main(dpo, "--steps", "6", "--precision", "fp32", "--device", "cpu")
+    assert measured == [0, 3, 6]  # the last step's model once, where it falls on EVAL_EVERY too
+    assert [len(batch) for batch in batches] == [dpo.BATCH] * 6
+    passes = [batches[step] + batches[step + 1] for step in range(0, 6, 2)]
+    assert all(sorted(one_pass) == sorted(asked) for one_pass in passes)
+    assert passes[0] != passes[1] and passes[1] != passes[2]
 
 
 @pytest.mark.parametrize("script", [dpo, finetune])
@@ -153,7 +176,7 @@ def test_the_reference_stays_the_fine_tuned_model_and_the_first_step_logs_log_2(
     seen, real_pair_losses = [], dpo.pair_losses
     monkeypatch.setattr(dpo, "pair_losses", lambda policy, reference, *args: seen.append((policy, reference))
                         or real_pair_losses(policy, reference, *args))
-    eight_pairs_of_one_story(run_main)
+    pairs_of_one_story(run_main)
     capsys.readouterr()
     run_main(dpo, "--steps", "2", "--precision", "fp32", "--device", "cpu")
     (policy, reference), _ = seen
@@ -167,7 +190,7 @@ def test_the_reference_stays_the_fine_tuned_model_and_the_first_step_logs_log_2(
 
 def test_pairs_another_model_wrote_are_refused_before_any_step(workspace, workspace_tokenizer, run_main, monkeypatch):
     # The fine-tuned model made again after the pairs were written: they are no longer its stories.
-    eight_pairs_of_one_story(run_main)
+    pairs_of_one_story(run_main)
     model = workspace / "checkpoints" / "finetune" / "model.pt"
     kept = workspace / "finetune-model-kept.pt"
     shutil.copy2(model, kept)

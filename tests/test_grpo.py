@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_ppo import first_minibatches, recording_the_update, rewards_printed, stories_that_end_at_different_steps
+from test_ppo import (each_pass_takes_every_story_once_in_a_new_order, first_minibatches, recording_the_logs,
+                      recording_the_seeds, recording_the_update, rewards_printed, stories_that_end_at_different_steps)
 
 import evaluate
 import grpo
@@ -142,6 +143,10 @@ def test_a_rollout_cuts_each_story_at_its_first_end_of_text_and_packs_its_tokens
     policy = torch.nn.Linear(1, 1)  # on the CPU: the rollout reads its device from it
     prompts, stories, rewards = grpo.rollout(policy, small_tokenizer, asks, np.random.default_rng(0), seed=0)
     assert len(stories) == grpo.PROMPTS * grpo.GROUP
+    # 16 groups of 16 different instructions: none is drawn twice, and each group asks one.
+    groups = [prompts[g * grpo.GROUP:(g + 1) * grpo.GROUP] for g in range(grpo.PROMPTS)]
+    assert all(group == group[:1] * grpo.GROUP for group in groups)
+    assert len({tuple(group[0]) for group in groups}) == grpo.PROMPTS
     # Exactly the tokens written after each prompt, to the first end-of-text: not the prompt's last.
     assert stories == [(kite * 10)[:r + g % 3] + [eot] for g in range(grpo.PROMPTS) for r in range(grpo.GROUP)]
     lengths = {len(story) for story in stories}
@@ -156,6 +161,7 @@ def test_a_rollout_cuts_each_story_at_its_first_end_of_text_and_packs_its_tokens
 def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_main, quick, capsys, monkeypatch):
     quick(grpo)
     updates = recording_the_update(grpo, "grpo_loss", monkeypatch)
+    seeds = recording_the_seeds(grpo, monkeypatch)
     run_main(grpo, "--rollouts", "12", "--kl", "0.05", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
     out = capsys.readouterr().out
     rewards = rewards_printed(out)
@@ -165,10 +171,15 @@ def test_a_short_run_writes_its_logs_checkpoints_and_final_model(workspace, run_
     # Each rollout's first update, by the policy that wrote it: a ratio of exactly 1.
     for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
         assert torch.equal(update["ratio"] * update["mask"], update["mask"])
+    each_pass_takes_every_story_once_in_a_new_order(updates, grpo.PROMPTS * grpo.GROUP)
+    assert len(set(seeds)) == 12  # each rollout draws its stories with random numbers of its own
     assert re.search(r"rollout 12: reward [0-9.]+, KL [0-9.]+, \d+ tied groups", out)
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-lr-0.003"
     assert {p.name for p in folder.iterdir()} == {"rollout-0.pt", "rollout-10.pt", "rollout-12.pt", "model.pt"}
     assert read_checkpoint(folder)["made_by"]["rollout"] == 12
+    # AdamW with no weight decay: nothing pulls the policy's weights toward 0 but the rewards and the KL.
+    groups = read_checkpoint(folder / "rollout-12.pt")["optimizer"]["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.0]
     settings = read_checkpoint(folder)["made_by"]["settings"]
     assert settings["lr"] == 3e-3 and settings["kl"] == 0.05 and settings["script"] == "grpo.py"
     # The constants it ran with, its own and those it takes from PPO and rl.py, as they are.
@@ -202,13 +213,24 @@ def test_grpo_raises_the_words_used_reward_on_a_tiny_task(workspace_tokenizer, r
 
 def test_with_kl_weight_0_the_drift_is_still_measured(workspace, run_main, quick, monkeypatch):
     quick(grpo)
-    logged, real_log = [], grpo.log_rollout
-    monkeypatch.setattr(grpo, "log_rollout", lambda writer, rollout, figures, line: logged.append(figures)
-                        or real_log(writer, rollout, figures, line))
+    logged = recording_the_logs(grpo, monkeypatch)
     run_main(grpo, "--rollouts", "3", "--kl", "0", "--device", "cpu", "--precision", "fp32", "--lr", "3e-3")
     drifts = [figures["kl"] for figures in logged]  # as logged to TensorBoard, not as printed
     assert len(drifts) == 3
     assert drifts[0] == 0.0 and drifts[-1] > 0.01  # the first rollout is the reference's own
+
+
+def test_a_rollout_whose_groups_all_tie_logs_them_as_every_instruction(workspace, run_main, quick, monkeypatch,
+                                                                         capsys):
+    # One reward for every story: each of the 16 groups ties, so the share of groups with a
+    # spread of 0 (TRL's frac_reward_zero_std) is 1, a share of the instructions, not of a group.
+    quick(grpo)
+    monkeypatch.setattr(grpo, "words_used", lambda story, words: 0.5)
+    logged = recording_the_logs(grpo, monkeypatch)
+    run_main(grpo, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
+    (figures,) = logged
+    assert figures["ties"] == grpo.PROMPTS and figures["frac_reward_zero_std"] == 1.0
+    assert "rollout 1: reward 0.500, KL 0.00, 16 tied groups" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("script", [ppo, grpo])
@@ -225,9 +247,7 @@ def test_the_logged_kl_is_the_k3_estimate_summed_over_a_story_s_tokens(script, w
         return logprobs if next(model.parameters()).requires_grad else logprobs + 1.0
 
     monkeypatch.setattr(script, "token_logprobs", reference_one_nat_likelier)
-    logged, real_log = [], script.log_rollout
-    monkeypatch.setattr(script, "log_rollout", lambda writer, rollout, figures, line: logged.append(figures)
-                        or real_log(writer, rollout, figures, line))
+    logged = recording_the_logs(script, monkeypatch)
     run_main(script, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
     (figures,) = logged
     assert figures["kl"] == pytest.approx((math.e - 2) * figures["completions/mean_length"], rel=1e-5)

@@ -1,3 +1,4 @@
+import itertools
 import math
 import re
 
@@ -273,6 +274,9 @@ def test_a_rollout_s_stories_are_the_tokens_written_after_each_prompt_to_the_fir
     kite = small_tokenizer.encode(" a kite")
     monkeypatch.setattr(ppo, "generate", stories_that_end_at_different_steps(kite, eot))
     prompts, stories, rewards = ppo.rollout(torch.nn.Linear(1, 1), small_tokenizer, asks, np.random.default_rng(0), 0)
+    # A batch's eight instructions differ (of the ten there are): none is drawn twice in it.
+    for start in range(0, len(prompts), ppo.PER_BATCH):
+        assert len({tuple(prompt) for prompt in prompts[start:start + ppo.PER_BATCH]}) == ppo.PER_BATCH
     assert stories == [(kite * 10)[:r + b % 3] + [eot] for b in range(ppo.BATCHES) for r in range(ppo.PER_BATCH)]
     assert rewards == [evaluate.words_used(small_tokenizer.decode(story), words) for story in stories]
     _, _, mask = ppo.pack(prompts, stories, eot, "cpu")
@@ -322,6 +326,35 @@ def recording_the_update(script, loss_name, monkeypatch):
     return updates
 
 
+def each_pass_takes_every_story_once_in_a_new_order(updates, stories):
+    """Checks a run's recorded updates (of `stories` stories a rollout): each pass over a
+    rollout's minibatches holds every story once, as its advantages show, in an order of its
+    own, so no two passes step on the same minibatches."""
+    per_pass = math.ceil(stories / ppo.MINIBATCH)
+    for first in range(0, len(updates), ppo.EPOCHS * per_pass):
+        passes = [torch.cat([u["advantages"] for u in updates[start:start + per_pass]]).reshape(stories, -1)
+                  for start in range(first, first + ppo.EPOCHS * per_pass, per_pass)]
+        rows = sorted(map(tuple, passes[0].tolist()))
+        assert all(sorted(map(tuple, one_pass.tolist())) == rows for one_pass in passes)
+        if len(set(rows)) > 1:  # where every story has one advantage, no order can show
+            assert not any(torch.equal(a, b) for a, b in itertools.combinations(passes, 2))
+
+
+def recording_the_seeds(script, monkeypatch):
+    """Wraps a script's rollout to keep the seed each rollout writes its stories with."""
+    seeds, real_rollout = [], script.rollout
+    monkeypatch.setattr(script, "rollout", lambda *args, seed: seeds.append(seed) or real_rollout(*args, seed=seed))
+    return seeds
+
+
+def recording_the_logs(script, monkeypatch):
+    """Wraps a script's log_rollout to keep each rollout's figures, as TensorBoard gets them."""
+    logged, real_log = [], script.log_rollout
+    monkeypatch.setattr(script, "log_rollout", lambda writer, rollout, figures, line: logged.append(figures)
+                        or real_log(writer, rollout, figures, line))
+    return logged
+
+
 def first_minibatches(updates, stories):
     """Each rollout's first update (of `stories` stories): its policy is still the one that wrote them."""
     per_rollout = ppo.EPOCHS * math.ceil(stories / ppo.MINIBATCH)
@@ -332,10 +365,12 @@ def first_minibatches(updates, stories):
 def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick, capsys, monkeypatch):
     quick(ppo)
     updates = recording_the_update(ppo, "ppo_loss", monkeypatch)
+    seeds = recording_the_seeds(ppo, monkeypatch)
     run_main(ppo, "--rollouts", "12", "--kl", "0.05", "--seed", "3", "--lr", "3e-3",
              "--device", "cpu", "--precision", "fp32")
     rewards = rewards_printed(capsys.readouterr().out)
     assert len(rewards) == 12
+    assert len(set(seeds)) == 12  # each rollout draws its stories with random numbers of its own
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
     # The script's own update: in its first minibatch the ratio is exactly 1 (dropout off, the
     # rollout's log-probabilities computed as the update's), and one step takes the policy's
@@ -354,10 +389,14 @@ def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick,
     for update in updates:
         assert update["stepped_on"] == pytest.approx(update["policy_loss"] + ppo.VALUE_WEIGHT * update["critic_loss"],
                                                      rel=1e-5, abs=1e-7)
+    each_pass_takes_every_story_once_in_a_new_order(updates, ppo.BATCHES * ppo.PER_BATCH)
     folder = workspace / "checkpoints" / "ppo" / "kl-0.05-lr-0.003-seed-3"
     assert {p.name for p in folder.iterdir()} == {"rollout-0.pt", "rollout-10.pt", "rollout-12.pt", "model.pt"}
     assert read_checkpoint(folder / "rollout-10.pt")["made_by"]["rollout"] == 10
     assert "critic" in read_checkpoint(folder / "rollout-10.pt")
+    # AdamW with no weight decay, on the policy's weights and the critic's alike.
+    groups = read_checkpoint(folder / "rollout-12.pt")["optimizer"]["param_groups"]
+    assert [group["weight_decay"] for group in groups] == [0.0]
     assert any((workspace / "runs" / "ppo" / "kl-0.05-lr-0.003-seed-3").glob("events.out.tfevents.*"))
 
 

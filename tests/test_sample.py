@@ -189,6 +189,18 @@ def test_a_draw_past_its_blocks_running_sum_takes_a_token_that_can_be_drawn(monk
     assert probs[0, token] > 0
 
 
+def test_the_smallest_draw_takes_the_first_token_that_can_be_drawn(monkeypatch):
+    # torch's uniform numbers start at 0. A draw of 0 falls where the running sum starts, and
+    # tokens of probability 0 (outside the top k) may stand there before the first that can be
+    # drawn: here a whole block of them, then two more.
+    logits = torch.full((1, 2 * sample.BLOCK), -1e9)
+    first = sample.BLOCK + 2
+    logits[0, first:first + 4] = torch.tensor([0.5, 1.0, 0.0, 2.0])
+    monkeypatch.setattr(torch, "rand", lambda *size, generator=None, device=None, dtype=None:
+                        torch.zeros(size, dtype=dtype, device=device))
+    assert int(sample.next_token(logits, 1.0, 4, None)) == first
+
+
 # next_token finds the block of BLOCK tokens a draw falls in, then the token within it: a
 # vocabulary of several blocks, whole (as the series' 5,376 tokens are) or with a padded last one,
 # its probability spread over all of them.
