@@ -194,6 +194,25 @@ def test_a_source_without_stories_leaves_what_was_prepared(prepared, tmp_path):
     assert {name: (prepared / name).read_bytes() for name in before} == before
 
 
+def test_a_source_with_no_valid_stories_leaves_what_was_prepared(corpus, prepared, tmp_path):
+    before = {name: (prepared / name).read_bytes() for name in ("train.txt", "valid.txt", "manifest.json")}
+    source = tmp_path / "no-valid"
+    source.mkdir()
+    (source / "stories-train.txt.gz").write_bytes((corpus / "stories-train.txt.gz").read_bytes())
+    (source / "stories-valid.txt").write_text("")
+    with pytest.raises(SystemExit, match="no valid stories"):
+        prepare(source, prepared)
+    assert {name: (prepared / name).read_bytes() for name in before} == before
+
+
+def test_the_held_out_draw_does_not_depend_on_the_order_of_the_valid_stories(prepared, tmp_path):
+    askable, _ = files.read_words(prepared / "words.json")
+    stories = read(prepared / "valid.txt")
+    reversed_file = tmp_path / "valid.txt"
+    reversed_file.write_text("".join(f"{s}\n{SEPARATOR}\n" for s in reversed(stories)), encoding="utf-8")
+    assert data.draw_heldout(reversed_file, askable) == data.draw_heldout(prepared / "valid.txt", askable)
+
+
 def test_a_damaged_heldout_file_is_refused(tmp_path):
     whole = json.loads(data.HELDOUT.read_text(encoding="utf-8"))
     # Damaged, not JSON of a held-out set, another version, or an instruction short.
@@ -369,9 +388,14 @@ def test_a_word_counts_once_per_story_however_often_the_story_uses_it(tmp_path):
         stories[i] += " He saw a kite."  # in 6 stories: askable
     for i in range(6, 8):
         stories[i] += " A lantern, a lantern, a lantern, a lantern, a lantern."  # 10 uses, in 2 stories only
+    for i in range(8, 8 + data.FEWEST):
+        stories[i] += " A frog sat."  # in as few stories as an askable word may be
+    for i in range(20, 19 + data.FEWEST):
+        stories[i] += " A ball fell."  # in one story fewer
     (tmp_path / "train.txt").write_text("".join(f"{s}\n{SEPARATOR}\n" for s in stories), encoding="utf-8")
     askable = data.askable_words(tmp_path / "train.txt")
     assert "kite" in askable and "lantern" not in askable
+    assert "frog" in askable and "ball" not in askable
 
 
 @pytest.mark.parametrize("apostrophe", ["'", "’"])

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import always_writes
 from model import GPT, TINY, Config
@@ -44,6 +45,33 @@ def test_the_layers_that_add_to_the_stream_start_smaller():
         assert float(block.attention.proj.weight.std()) == pytest.approx(scaled, rel=0.05)
         assert float(block.mlp.down.weight.std()) == pytest.approx(scaled, rel=0.05)
         assert float(block.mlp.up.weight.std()) == pytest.approx(0.02, rel=0.05)
+
+
+def test_the_forward_pass_is_gpt2_s_written_out_by_hand():
+    # Pre-norm blocks: each adds to the stream its attention of the layer-normed stream, then
+    # its MLP (up, GELU, down) of the layer-normed stream; a last layer norm, then the output layer.
+    model = tiny_model()
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for norm in (module for module in model.modules() if isinstance(module, torch.nn.LayerNorm)):
+            norm.weight.normal_(1, 0.3)  # each layer norm its own, so that no two can stand in for each other
+            norm.bias.normal_(0, 0.3)
+        x = model.token_embedding(tokens) + model.position_embedding(torch.arange(9))
+        for block in model.blocks:
+            x = x + block.attention(block.ln1(x))
+            x = x + block.mlp.down(F.gelu(block.mlp.up(block.ln2(x))))
+        torch.testing.assert_close(model(tokens)[0], model.head(model.ln(x)))
+
+
+def test_in_training_dropout_takes_the_sum_of_the_two_embeddings():
+    model = tiny_model().train()
+    seen = []
+    model.dropout.register_forward_hook(lambda module, inputs, output: seen.append((inputs[0], output)))
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    model(tokens)
+    ((embedded, dropped),) = seen
+    torch.testing.assert_close(embedded, model.token_embedding(tokens) + model.position_embedding(torch.arange(9)))
+    assert (dropped == 0).any() and not (embedded == 0).any()  # some of its numbers dropped
 
 
 def test_every_weight_takes_part_in_the_loss():

@@ -39,6 +39,12 @@ def test_random_unicode_round_trips_exactly(tokenizer):
         assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_a_run_of_spaces_leaves_its_last_to_the_word_after_it():
+    # As GPT-2's pattern chunks text: " kite" (a word with its space) whatever comes before it,
+    # so a word is one token after one space or several.
+    assert bpe.CHUNK.findall("a  kite\n\nOnce") == ["a", " ", " kite", "\n", "\n", "Once"]
+
+
 def test_training_learns_merges_that_shorten_the_stories(tokenizer):
     assert len(tokenizer) == 300 and tokenizer.eot == 299
     text = STORIES[0]
