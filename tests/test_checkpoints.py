@@ -253,3 +253,26 @@ def test_temporary_files_of_killed_saves_are_removed_and_a_save_is_on_disk_befor
     save_checkpoint(tmp_path / "model.pt", small_model, small_tokenizer, {"script": "test", "step": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "model.pt"]
     assert calls == ["fsync", "replace"]
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused_in_one_line(small_model, small_tokenizer, tmp_path):
+    # Without the tokenizer's fingerprint, no script could check what its tokens mean: refused
+    # when read, not a KeyError when a script compares it (nor loaded unchecked when none does).
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test", "step": 1})
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["tokenizer"]
+    torch.save(checkpoint, path)
+    for read in (read_checkpoint, lambda path: load_checkpoint(path, tokenizer=small_tokenizer)):
+        with pytest.raises(SystemExit, match=r"model.pt is not a checkpoint of this series; make it again with "
+                                             r"the script that writes it$"):
+            read(path)
+
+
+@pytest.mark.parametrize("path", ["checkpoints", "checkpoints/model.pt", "checkpoints/mine.pt"])
+def test_a_missing_checkpoint_directly_under_checkpoints_names_no_script(tmp_path, path):
+    # No folder under checkpoints/ says which script makes it: the one line names none, where
+    # looking for that folder would run past the end of the path.
+    with pytest.raises(SystemExit, match=r"^no checkpoint at .*checkpoints[/\\]\w+\.pt: make it with the script that "
+                                         r"writes it$"):
+        load_checkpoint(tmp_path / path)

@@ -1,5 +1,6 @@
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -237,3 +238,59 @@ def test_command_line_prints_the_table_and_saves_json(workspace, monkeypatch, ca
     assert all(s["story"].startswith(f"A {s['words'][0]} and a ") for s in saved["stories"])
     assert [s["words_used"] for s in saved["stories"]] == pytest.approx([1 / 3] * 50)
     assert f"| finetune | 27% (20% to 33%) | {saved['valid_loss']:.2f} | 50% | 1.0 |" in out
+
+
+def test_the_loss_on_plain_stories_is_the_mean_over_the_windows_asked_for(workspace, workspace_model, monkeypatch):
+    # --valid-windows 4: the loss of 4 windows spread evenly over valid.bin, by hand, not that
+    # of pretraining's 256 (the files of the shared sample and the full download differ in size).
+    tokenizer = load_tokenizer(workspace / "data")
+    instructions = load_instructions(workspace / "heldout.json")
+    valid = np.memmap(workspace / "data" / "valid.bin", dtype=np.uint16, mode="r")
+    monkeypatch.setattr(evaluate, "write_stories", lambda *args, **kwargs: [[tokenizer.eot]] * len(instructions))
+    context = workspace_model.config.context
+    by_hand = []
+    for start in np.linspace(0, len(valid) - context - 1, 4).astype(np.int64):
+        window = torch.tensor(valid[start:start + context + 1].astype(np.int64))
+        with torch.no_grad():
+            logits, _ = workspace_model(window[None, :-1])
+        by_hand.append(torch.nn.functional.cross_entropy(logits[0], window[1:]).item())
+    assert len(set(by_hand)) == 4  # the windows' losses differ: another number of windows would move the mean
+    result = measure(workspace_model, tokenizer, instructions, valid, "cpu", windows=4)
+    # Close: a random model's losses are all near log(400), and 256 windows' mean is 6e-5 off, relatively.
+    assert result["valid_loss"] == pytest.approx(np.mean(by_hand), rel=1e-6)
+
+
+@pytest.mark.parametrize("args", [["--valid-windows", "0"], ["--valid-windows", "-2"], ["--seeds", "0"]])
+def test_no_windows_or_no_seeds_get_one_line(args, run_main, monkeypatch, capsys):
+    # --valid-windows 0 would measure the loss on no window at all: a division by zero, after the stories.
+    monkeypatch.setattr(evaluate, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
+    with pytest.raises(SystemExit):
+        run_main(evaluate, "checkpoints/finetune", *args)
+    assert "error: --seeds and --valid-windows must be at least 1 (or --valid-windows all)" in capsys.readouterr().err
+
+
+def test_results_cut_off_while_being_written_leave_the_earlier_results_whole(workspace, tmp_path, monkeypatch):
+    # Written to a temporary file, then renamed: a run stopped halfway through writing the
+    # JSON (Ctrl-C, a full disk) leaves the last run's results as they were, not half a file.
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    shutil.copytree(workspace / "checkpoints" / "finetune", tmp_path / "checkpoints" / "finetune")
+    earlier = tmp_path / "runs" / "evaluate" / "finetune.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{"model": "finetune", "valid_loss": 1.5}\n')
+    tokenizer = load_tokenizer(workspace / "data")
+    monkeypatch.setattr(evaluate, "write_stories", lambda model, tokenizer_, prompts, *args, **kwargs:
+                        [[tokenizer.eot]] * len(prompts))
+    real_write_text = Path.write_text
+
+    def cut_off(path, text, *args, **kwargs):
+        real_write_text(path, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_off)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--valid-windows", "4", "--device", "cpu"])
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main()
+    monkeypatch.undo()
+    assert json.loads(earlier.read_text()) == {"model": "finetune", "valid_loss": 1.5}
+    assert [path.name for path in earlier.parent.iterdir()] == ["finetune.json"]  # no temporary file left

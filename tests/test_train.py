@@ -175,13 +175,14 @@ def test_a_checkpoint_s_seconds_count_the_step_it_saves(workspace, tmp_path, mon
 def four_steps_of_pretraining(workspace, monkeypatch):
     """A run of train.py in a folder: the tests' tiny model, 4 steps, a checkpoint every 2,
     stopped (KeyboardInterrupt) right after the checkpoint of stop_after_step: run(folder, *args,
-    stop_after_step=None), which returns the final checkpoint."""
+    stop_after_step=None, budget=("--steps", "4")), which returns the final checkpoint. (A
+    budget in minutes instead takes 4 steps on a clock that makes them last a quarter of it.)"""
     launch.patch(monkeypatch.setattr, {})
     monkeypatch.setattr(train, "Config", lambda vocab_size: Config(vocab_size=vocab_size, **TINY))
     monkeypatch.setattr(train, "EVAL_EVERY", 2)
     save_checkpoint = train.save_checkpoint
 
-    def run(folder, *args, stop_after_step=None):
+    def run(folder, *args, stop_after_step=None, budget=("--steps", "4")):
         shutil.copytree(workspace / "data", folder / "data", dirs_exist_ok=True)
         monkeypatch.chdir(folder)
 
@@ -191,7 +192,7 @@ def four_steps_of_pretraining(workspace, monkeypatch):
                 raise KeyboardInterrupt
 
         monkeypatch.setattr(train, "save_checkpoint", save_then_stop)
-        monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "4", *args])
+        monkeypatch.setattr(sys, "argv", ["train.py", *budget, *args])
         train.main()
         return torch.load(folder / "checkpoints" / "pretrain" / "model.pt", weights_only=True)
 
@@ -241,3 +242,56 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(workspace, tmp_path, 
     # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)
     assert pretrain(tmp_path, "--device", "cpu", "--resume")["made_by"]["settings"]["precision"] == "bf16"
+
+
+def test_a_run_resumed_on_a_budget_of_minutes_goes_on_with_its_clock_and_its_learning_rates(workspace, tmp_path,
+                                                                                            monkeypatch):
+    # A clock that moves 15 seconds a training step and stands still otherwise (and an hour
+    # between the two sittings, which must not count): a minute is 4 steps. Without the
+    # warmup, the learning rate follows the share of the minute used from the first step. A
+    # run stopped at step 2 and resumed goes on 30 seconds in: its steps 2 and 3 take the
+    # uninterrupted run's learning rates, and it ends at step 4, a minute in, as that run did.
+    pretrain = four_steps_of_pretraining(workspace, monkeypatch)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    monkeypatch.setattr(train, "learning_rate", lambda step, progress, real=train.learning_rate:
+                        real(step, progress, warmup=0))
+    rates, train_step = [], train.train_step
+
+    def step_of_fifteen_seconds(*args):
+        clock[0] += 15.0
+        rates.append(args[6])  # train_step(model, optimizer, x, y, device, precision, lr, micro_batch)
+        return train_step(*args)
+
+    monkeypatch.setattr(train, "train_step", step_of_fifteen_seconds)
+    budget = ("--minutes", "1")
+    straight = pretrain(tmp_path / "straight", *CPU_FP32, budget=budget)
+    straight_rates = rates[:]
+    assert len(set(straight_rates)) == 4  # the rates fall with the time
+    rates.clear()
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(tmp_path / "stopped", *CPU_FP32, budget=budget, stop_after_step=2)
+    clock[0] += 3600.0
+    resumed = pretrain(tmp_path / "stopped", *CPU_FP32, "--resume", budget=budget)
+    assert rates == straight_rates
+    assert (resumed["made_by"]["step"], resumed["made_by"]["seconds"]) == (4, 60.0)
+    assert (straight["made_by"]["step"], straight["made_by"]["seconds"]) == (4, 60.0)
+
+
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--steps", "-1"], ["--minutes", "0"], ["--minutes", "inf"],
+                                  ["--minutes", "nan"]])
+def test_a_budget_that_is_not_positive_gets_one_line(args, run_main, monkeypatch, capsys):
+    # --steps 0 would train nothing, then save an untrained model as if pretrained.
+    monkeypatch.setattr(train, "load_tokenizer", lambda: pytest.fail("it went on past the check"))
+    with pytest.raises(SystemExit):
+        run_main(train, *args)
+    assert "error: --minutes and --steps must be positive" in capsys.readouterr().err
+
+
+def test_a_token_file_of_an_odd_size_is_refused_in_one_line(tmp_path):
+    # uint16 tokens: an odd number of bytes is half a token short (a copy cut off), and no
+    # manifest says what size data.py made it. Read as it is, numpy would stop with its own error.
+    (tmp_path / "train.bin").write_bytes(bytes(2 * (train.CONTEXT + 10) + 1))
+    with pytest.raises(SystemExit, match=r"train.bin is damaged or too short \(533 bytes\); make it again with "
+                                         r"python data.py$"):
+        train.load_tokens("train", tmp_path)
