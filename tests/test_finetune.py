@@ -2,6 +2,7 @@ import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,6 +170,7 @@ def test_each_lever_names_its_own_folder():
             name(seed=2)] == ["finetune-lr-0.0003", "finetune-asks-3", "finetune-plain-0", "finetune-swap-1",
                               "finetune-words-8", "finetune-first-use-10", "finetune-seed-2"]
     assert name(words=3, plain_share=0.5, seed=3) == "finetune-plain-0.5-words-3-seed-3"
+    assert name(asks=2) == "finetune-asks-2"  # any asks but 1: never over checkpoints/finetune
 
 
 def test_the_first_use_of_each_asked_word_is_weighed_and_nothing_else(workspace):
@@ -215,6 +217,21 @@ def test_every_plain_window_is_a_whole_context_even_at_the_end_of_the_tokens():
     tokens = np.arange(finetune.MAX_LENGTH + 3, dtype=np.uint16)  # a start past 2 would cut a window short
     windows = finetune.plain_windows(tokens, np.random.default_rng(0), 200)
     assert all(len(window) == finetune.MAX_LENGTH + 1 for window, _ in windows)
+
+
+def test_a_swap_replaces_whole_words_only():
+    # "cat" swapped must leave "catch" and "Catch" as they are: only the word itself is the asked noun.
+    example = {"words": ["cat", "ball"], "instruction": "", "story": "Cat tried to catch the ball. Catch it, cat!"}
+    swapped = finetune.swap_nouns(example, {"cat", "dog"}, 1.0, seed=0)
+    assert swapped["words"] == ["dog", "ball"]
+    assert swapped["story"] == "Dog tried to catch the ball. Catch it, dog!"
+
+
+@pytest.mark.parametrize("noun, plural", [("kites", True), ("boats", True), ("kite", False), ("glass", False),
+                                          ("bus", False), ("cactus", False)])
+def test_a_noun_ending_in_ss_or_us_is_not_taken_for_a_plural(noun, plural):
+    # A singular noun is swapped for a singular one: "glass" and "bus" are singular, though they end in s.
+    assert finetune.is_plural(noun) is plural
 
 
 def test_two_asked_nouns_are_never_swapped_for_the_same_one():
@@ -270,3 +287,85 @@ def test_the_run_s_levers_reach_its_steps(workspace, tmp_path, monkeypatch):
     assert all(len(words) <= 4 for _, _, words in asked) and any(len(words) == 4 for _, _, words in asked)
     assert len({(story, seed) for story, seed, _ in asked}) == len(asked)  # no story asked twice with one seed
     assert read_checkpoint(tmp_path / "checkpoints" / "finetune-lr-0.0003-words-4")["made_by"]["step"] == steps
+
+
+@pytest.fixture
+def recorded_run(workspace, tmp_path, monkeypatch):
+    """finetune.main() in a copy of the workspace, from a tiny pretrained model, with the steps, the losses and the
+    demo story left out: run(*options) gives each step's record (its batch x and y, the stories asked for it, the
+    weights of a weighted step, torch's seed), for the test to read what the options changed."""
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    tokenizer = load_tokenizer()
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
+    save_checkpoint(tmp_path / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
+    steps, asked, real_ask = [], [], finetune.ask_anew
+
+    def ask_anew(story, *args):
+        asked.append(story)
+        return real_ask(story, *args)
+
+    def record(x, y, weights=None):
+        steps.append({"x": x.clone(), "y": y.clone(), "weights": weights, "stories": asked[:],
+                      "torch_seed": torch.initial_seed()})
+        asked.clear()
+        return 0.0
+
+    monkeypatch.setattr(finetune, "ask_anew", ask_anew)
+    monkeypatch.setattr(finetune, "train_step", lambda model, optimizer, x, y, *rest: record(x, y))
+    monkeypatch.setattr(finetune, "weighted_step", lambda model, optimizer, x, y, weights, *rest: record(x, y, weights))
+    monkeypatch.setattr(finetune, "instruction_loss", lambda *args: 0.0)
+    monkeypatch.setattr(finetune, "valid_loss", lambda *args: 0.0)
+    monkeypatch.setattr(finetune, "demo_story", lambda *args, **kwargs: "")
+
+    def run(*options, steps_run=2):
+        steps.clear()
+        monkeypatch.setattr(sys, "argv", ["finetune.py", "--steps", str(steps_run), "--device", "cpu",
+                                          "--precision", "fp32", *options])
+        finetune.main()
+        return steps[:]
+    run.steps = steps  # the steps taken so far, for a run that stops
+    return run
+
+
+PLAIN_ROWS = round(finetune.BATCH * finetune.PLAIN_SHARE)  # the last rows of a batch: windows of train.bin
+
+
+def test_the_replay_draws_new_windows_at_each_step(recorded_run):
+    # One generator draws the windows of every step: reseeded at each step, every step would replay the same ones.
+    first, second = recorded_run()
+    assert not torch.equal(first["x"][-PLAIN_ROWS:], second["x"][-PLAIN_ROWS:])
+    assert first["x"].shape[0] == second["x"].shape[0] == finetune.BATCH
+
+
+def test_another_seed_draws_other_stories_other_windows_and_other_dropout(recorded_run):
+    # --seed reaches everything the run draws: the stories' order, the replay's windows and torch's seed (dropout).
+    (default,), (other,) = recorded_run(steps_run=1), recorded_run("--seed", "2", steps_run=1)
+    assert default["stories"] != other["stories"]  # another order of the stories, not only other words asked
+    assert not torch.equal(default["x"][-PLAIN_ROWS:], other["x"][-PLAIN_ROWS:])
+    assert (default["torch_seed"], other["torch_seed"]) == (SEED, 2)  # one process: the run's seed itself
+    assert (recorded_run(steps_run=1)[0]["x"] == default["x"]).all()  # the same seed, the same batch
+
+
+def test_a_first_use_weight_weighs_each_step_s_first_uses_with_it(recorded_run):
+    # A weight other than 1 takes the weighted step at every step, the asked words' first uses weighing that much.
+    steps = recorded_run("--first-use-weight", "10")
+    assert len(steps) == 2 and all(step["weights"] is not None for step in steps)
+    for step in steps:
+        weights, y = step["weights"], step["y"]
+        assert weights.shape == y.shape and set(weights.unique().tolist()) == {1.0, 10.0}
+        assert bool((y[weights == 10] >= 0).all())  # only story tokens, never padding or the prompt
+        assert bool((weights[-PLAIN_ROWS:] == 1).all())  # the replay's windows weigh 1
+    assert all(step["weights"] is None for step in recorded_run())  # weight 1: the plain training step
+
+
+def test_too_few_instructions_are_refused_in_one_line_before_training(recorded_run, monkeypatch):
+    # HELD_BACK are kept out of training: the rest must fill a batch, or the run is refused before it starts.
+    real_read = finetune.read_instructions
+    monkeypatch.setattr(finetune, "read_instructions",
+                        lambda *args, **kwargs: real_read(*args, **kwargs)[:finetune.HELD_BACK + finetune.BATCH - 1])
+    with pytest.raises(SystemExit, match="too few") as refused:
+        recorded_run()
+    assert "\n" not in str(refused.value)
+    assert recorded_run.steps == [] and not list(Path("checkpoints", "finetune").glob("*.pt"))  # nor a model saved

@@ -1,11 +1,14 @@
+import errno
 import json
+import pathlib
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 import preferences
-from data import instruction
+from data import SEED, instruction
 
 
 def test_asks_are_grouped_by_their_length_in_tokens(workspace, workspace_tokenizer):
@@ -161,3 +164,62 @@ def test_a_pair_whose_stories_tie_is_refused(workspace_tokenizer, tmp_path):
     (tmp_path / "preferences.json").write_text(json.dumps({"settings": settings, "pairs": [pair]}))
     with pytest.raises(SystemExit, match="not the better one"):
         preferences.load_pairs(workspace_tokenizer, tmp_path / "preferences.json")
+
+
+@pytest.fixture
+def recorded_chunks(workspace, monkeypatch):
+    """What main() hands make_pairs, chunk by chunk: (examples, stories per instruction, seed). No chunk gives a
+    pair, so the run ends without writing."""
+    chunks = []
+    monkeypatch.setattr(preferences, "make_pairs", lambda model, tokenizer, examples, stories_per, seed:
+                        chunks.append((examples, stories_per, seed)) or [])
+    return chunks
+
+
+def test_the_instructions_are_a_seeded_sample_of_the_file_not_its_first(workspace, run_main, recorded_chunks):
+    # A fixed sample of the whole pool, the series' seed's, in the file's order: not the file's first N.
+    with pytest.raises(SystemExit, match="no pairs"):
+        run_main(preferences, "--instructions", "40", "--device", "cpu")
+    every = preferences.read_instructions(workspace / "data" / "instructions.jsonl")
+    chosen = sorted(np.random.default_rng(SEED).permutation(len(every))[:40])
+    used = [example for examples, _, _ in recorded_chunks for example in examples]
+    assert used == [every[i] for i in chosen] and used != every[:40]
+
+
+def test_each_chunk_of_instructions_is_written_with_its_own_seed(run_main, recorded_chunks):
+    # SEED + the chunk's start: with one seed for all, each chunk would draw the same random numbers again.
+    with pytest.raises(SystemExit, match="no pairs"):
+        run_main(preferences, "--instructions", str(2 * preferences.CHUNK + 6), "--stories", "3", "--device", "cpu")
+    chunk = preferences.CHUNK
+    assert [(len(examples), stories, seed) for examples, stories, seed in recorded_chunks] == [
+        (chunk, 3, SEED), (chunk, 3, SEED + chunk), (6, 3, SEED + 2 * chunk)]
+
+
+def test_a_write_failing_midway_leaves_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
+    # The pairs go to a temporary file, renamed only once whole: a full disk stops the run in one line, the old intact.
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    path = workspace / "data" / "preferences.json"
+    saved = path.read_bytes()
+    monkeypatch.setattr(preferences, "make_pairs", lambda *args: json.loads(saved)["pairs"])  # the stories skipped
+
+    def half_written(file, text, *args, **kwargs):
+        with open(file, "w", encoding="utf-8") as out:
+            out.write(text[:len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(pathlib.Path, "write_text", half_written)
+    with pytest.raises(SystemExit, match="no space left on the disk") as stopped:
+        run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    assert "\n" not in str(stopped.value)
+    assert path.read_bytes() == saved
+    assert not list(path.parent.glob(".preferences.json.*"))  # nor the half-written temporary file left
+
+
+@pytest.mark.parametrize("option, value", [("--stories", "1"), ("--stories", "0"), ("--instructions", "0")])
+def test_too_few_stories_or_instructions_are_refused_at_once(run_main, monkeypatch, capsys, option, value):
+    # One story makes no pair: refused as the command is read, not after the model has written every story.
+    monkeypatch.setattr(preferences, "load_checkpoint", lambda *args, **kwargs: pytest.fail("the run went on"))
+    with pytest.raises(SystemExit) as refused:
+        run_main(preferences, option, value, "--device", "cpu")
+    assert refused.value.code == 2  # the parser's error
+    last_line = capsys.readouterr().err.splitlines()[-1]
+    assert last_line.endswith("--instructions must be at least 1 and --stories at least 2")
