@@ -173,8 +173,10 @@ def main():
     if not pairs:
         raise SystemExit(f"every instruction's stories tied, so there are no pairs; {PAIRS} is left as it was. "
                          "Try more --instructions or --stories")
-    settings = {**vars(args), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0,
-                "tokenizer": tokenizer.fingerprint(), "model_hash": file_hash(checkpoint_file(args.model))}
+    # The instructions used: all the pool holds where --instructions asks for more (the shared sample's 1,240).
+    settings = {**vars(args), "instructions": len(examples), "seed": SEED, "max_new_tokens": MAX_NEW_TOKENS,
+                "temperature": 1.0, "tokenizer": tokenizer.fingerprint(),
+                "model_hash": file_hash(checkpoint_file(args.model))}
     with atomic(PAIRS) as tmp:
         tmp.write_text(json.dumps({"settings": settings, "pairs": pairs}, ensure_ascii=False) + "\n", encoding="utf-8")
     chosen, rejected = (np.mean([p[f"{side}_reward"] for p in pairs]) for side in ("chosen", "rejected"))

@@ -195,6 +195,18 @@ def test_each_chunk_of_instructions_is_written_with_its_own_seed(run_main, recor
         (chunk, 3, SEED), (chunk, 3, SEED + chunk), (6, 3, SEED + 2 * chunk)]
 
 
+def test_more_instructions_than_the_pool_holds_records_those_used(workspace, run_main, monkeypatch):
+    # The shared sample holds 1,240 instructions, fewer than the default 2,000: the pairs'
+    # settings say how many were written for, not how many were asked for.
+    run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
+    pairs = preferences.load_pairs(preferences.load_tokenizer())[0]
+    monkeypatch.setattr(preferences, "make_pairs", lambda model, tokenizer, examples, *args: pairs[:1])
+    run_main(preferences, "--instructions", "100000", "--stories", "3", "--device", "cpu")
+    pool = len(preferences.read_instructions(limit=preferences.ASK_POOL))
+    assert 16 < pool < 100000
+    assert json.loads(preferences.PAIRS.read_text(encoding="utf-8"))["settings"]["instructions"] == pool
+
+
 def test_a_write_failing_midway_leaves_the_saved_pairs_as_they_were(workspace, run_main, monkeypatch):
     # The pairs go to a temporary file, renamed only once whole: a full disk stops the run in one line, the old intact.
     run_main(preferences, "--instructions", "16", "--stories", "3", "--device", "cpu")
