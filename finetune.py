@@ -155,6 +155,8 @@ def swap_nouns(example, nouns, share, seed):
         if word not in nouns or rng.random() >= share:
             continue
         others = [n for n in sorted(nouns) if is_plural(n) == is_plural(word) and n not in in_story]
+        if not others:  # every noun of its kind is in the story already: the word stays
+            continue
         new = rng.choice(others)
         for old, replacement in ((word, new), (word.capitalize(), new.capitalize())):
             story = re.sub(rf"\b{old}\b", replacement, story)

@@ -234,6 +234,12 @@ def test_a_noun_ending_in_ss_or_us_is_not_taken_for_a_plural(noun, plural):
     assert finetune.is_plural(noun) is plural
 
 
+def test_a_noun_with_no_free_noun_to_take_its_place_stays():
+    example = {"words": ["kite", "river", "jumped"], "instruction": "", "story": "The kite saw a boat by the river."}
+    swapped = finetune.swap_nouns(example, {"kite", "river", "boat", "cakes"}, 1.0, seed=0)
+    assert swapped["words"] == example["words"] and swapped["story"] == example["story"]
+
+
 def test_two_asked_nouns_are_never_swapped_for_the_same_one():
     nouns = {"kite", "river", "cake", "boat"}  # for kite and river, only cake and boat are free
     example = {"words": ["kite", "river", "jumped"], "instruction": "", "story": "The kite flew over the river."}
