@@ -116,8 +116,10 @@ def made_with(file):
     # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is
     # grpo.py's; finetune.py and dpo.py name a run's folder after the options it differs by
     # (checkpoints/dpo-seed-2/, finetune-plain-0.5/).
+    # The last checkpoints/ of the path is the project's, wherever the project lies (as evaluate.saved_name reads it).
     folders = file.parts[:-1]
-    script_folder = folders[folders.index(CHECKPOINTS.name) + 1] if CHECKPOINTS.name in folders[:-1] else ""
+    found = [i for i, name in enumerate(folders[:-1]) if name == CHECKPOINTS.name]
+    script_folder = folders[found[-1] + 1] if found else ""
     script, _, options = script_folder.partition("-")
     if script not in MADE_BY or (options and script not in NAMED_BY_OPTIONS):
         return "the script that writes it"

@@ -121,6 +121,9 @@ def test_missing_checkpoint_names_the_command_that_makes_it(tmp_path):
     for elsewhere in ("models/finetune", "checkpoints/pretrain-old"):  # not a folder any script names
         with pytest.raises(SystemExit, match="make it with the script that writes it"):
             load_checkpoint(tmp_path / elsewhere)
+    # A project inside a folder named checkpoints: its own checkpoints/ says which script.
+    with pytest.raises(SystemExit, match="python grpo.py"):
+        load_checkpoint(tmp_path / "checkpoints" / "series" / "checkpoints" / "grpo" / "kl-0.05" / "rollout-10.pt")
 
 
 def test_truncated_checkpoint_is_refused(small_model, small_tokenizer, tmp_path):
