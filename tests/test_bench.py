@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -570,3 +571,74 @@ def test_tokenizer_benchmark_times_the_train_stories_and_names_the_command_that_
     monkeypatch.chdir(tmp_path)  # no data/ yet
     with pytest.raises(SystemExit, match=r"no data/train.txt: make it with python data.py"):
         tokenizer_bench.main()
+
+
+def test_training_benchmark_counts_every_token_of_its_steps_batches(monkeypatch):
+    # A step trains on BATCH windows of CONTEXT tokens each: 3 steps in 2 seconds (a clock that
+    # says so) are 3 x 2 x 16 tokens, and the TFLOP/s are those tokens' work.
+    monkeypatch.setattr(train_bench, "Config", lambda: Config(**TINY))
+    monkeypatch.setattr(train_bench, "BATCH", 2)
+    monkeypatch.setattr(train_bench, "CONTEXT", 16)
+    monkeypatch.setattr(train_bench, "matmul_peak", lambda device, dtype: 1e12)
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(train_bench, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = train_bench.measure("fp32", 3, torch.device("cpu"))
+    assert result["tokens_per_second"] == 3 * 2 * 16 / 2.0
+    model = GPT(Config(**TINY))
+    assert result["tflops"] == pytest.approx(3 * 2 * 16 / 2.0 * train_bench.flops_per_token(model) / 1e12)
+
+
+def test_the_rollout_benchmark_s_writing_is_its_seconds_less_the_scoring_s(run_main, monkeypatch):
+    # rollout() writes and scores in one call: the writing's seconds are that call's less the
+    # scoring's, timed again on its own, so that no part is counted twice in the whole rollout.
+    import grpo
+    from bench import rollout as rollout_bench
+
+    monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "MAX_NEW_TOKENS", 16)
+    monkeypatch.setattr(rollout_bench, "matmul_peak", lambda device, dtype: 1e12)
+    seconds = iter([5.0, 1.0])  # the writing and scoring, then the scoring alone; every later part 1 s
+    monkeypatch.setattr(rollout_bench, "timed", lambda device, work: (work(), next(seconds, 1.0)))
+    measured, measure = [], rollout_bench.measure_rollout
+    monkeypatch.setattr(rollout_bench, "measure_rollout",
+                        lambda *args: measured.append(measure(*args)) or measured[-1])
+    run_main(rollout_bench, "--repeats", "1", "--device", "cpu", "--precision", "fp32")
+    [run] = measured
+    assert (run["writing"], run["scoring"], run["logprobs"], run["update"]) == (4.0, 1.0, 1.0, 1.0)
+    assert run["whole rollout"] == 7.0
+    assert run["mean_length"] == run["story_tokens"] / 128  # the stories' tokens a story, not a position
+
+
+@pytest.mark.parametrize("positions, steps", [(decode.PROMPT, 2), (Config.context - 3, 2), (30, 0)],
+                         ids=["the-prompt-alone", "no-room-for-the-profiled-steps", "no-step"])
+def test_decode_benchmark_refuses_positions_its_steps_have_no_room_for(positions, steps, monkeypatch, capsys):
+    # The cache must hold a token past the prompts, and the steps timed then as many profiled
+    # within the context: a number outside is refused before the model is built.
+    monkeypatch.setattr(decode, "pick_device", lambda name: pytest.fail("ran past the check"))
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--positions", str(positions), "--steps", str(steps)])
+    with pytest.raises(SystemExit) as stopped:
+        decode.main()
+    assert stopped.value.code == 2 and "--positions between 21 and the context (256)" in capsys.readouterr().err
+
+
+def test_decode_benchmark_s_attention_by_hand_reads_every_position_so_far_and_no_more():
+    # 40 positions in blocks of 32: both blocks are read, the second's first 8 slots alone visible,
+    # as a step of the writing at 40 cached positions reads them.
+    model = GPT(Config(vocab_size=64, **TINY))
+    read = []
+
+    def spy(q, keys, values, visible):
+        read.append((len(keys), len(values), len(visible), int(visible.sum())))
+        return kernels.block_attention(q, keys, values, visible)
+    decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=1, more={"spy": spy})
+    blocks = -(-40 // kernels.CACHE_BLOCK)
+    assert read == [(blocks, blocks, blocks * kernels.CACHE_BLOCK, 40)] * TINY["n_layer"]
+
+
+def test_decode_benchmark_drops_a_quarter_of_the_rows_as_it_says(monkeypatch):
+    # The line printed says a quarter: the rows whose stories end, as the writing drops them.
+    kept = []
+    monkeypatch.setattr(decode, "timed", lambda device, work: (work(), 0.001))
+    decode.narrowing(SimpleNamespace(keep=kept.append), torch.device("cpu"))
+    [rows] = kept
+    assert len(rows) == decode.ROWS and int(rows.sum()) == decode.ROWS - decode.ROWS // 4

@@ -349,3 +349,56 @@ def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock_and_
         assert got["mean"] == 2.0
         assert 100 <= got["seconds"] < 130
         assert got["precision"] == "bf16"
+
+
+def test_more_processes_than_the_machine_has_gpus_are_refused_in_one_line(monkeypatch):
+    # torchrun --nproc_per_node 4 on a machine of 3 GPUs: one GPU each is one too few, refused
+    # before any process takes a GPU, not when two of them share one.
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(SystemExit) as stopped:
+        distributed.setup("cuda", 16, "instructions")
+    assert stopped.value.code == ("4 processes on this machine, one GPU each, and it has 3: "
+                                  "use --nproc_per_node 3 or fewer")
+    assert not torch.distributed.is_initialized()
+
+
+def test_what_rank_0_alone_runs_the_other_processes_wait_for(monkeypatch):
+    # Rank 0 saves a checkpoint the others may read next: each process, rank 0 too, waits at a
+    # barrier after it, and only rank 0 runs it.
+    ran, waited = [], []
+    monkeypatch.setattr(distributed, "barrier", lambda: waited.append(distributed.rank()))
+    save = distributed.on_rank_0(lambda path: ran.append(path) or path)
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "rank", lambda: rank)
+        assert save("rollout-7.pt") == ("rollout-7.pt" if rank == 0 else None)
+    assert ran == ["rollout-7.pt"] and waited == [0, 1]
+
+
+def test_a_process_takes_the_gpu_of_its_place_on_its_own_machine(monkeypatch):
+    # The second of two machines of 4 GPUs: the process of rank 5 is its machine's second, on
+    # cuda:1 (its machine has no cuda:5).
+    for name, value in {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    joined = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: joined.append(device))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kwargs: joined.append(kwargs))
+    assert distributed.setup("cuda", 16, "instructions") == torch.device("cuda", 1)
+    assert joined == [torch.device("cuda", 1), {"device_id": torch.device("cuda", 1)}]
+
+
+def test_the_first_process_of_each_machine_says_why_the_run_is_refused(monkeypatch):
+    # On the second machine, rank 4 is the first process: torchrun shows its line, so it says why.
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: None)
+    for rank, local_rank, code in (("4", "0", "why"), ("5", "1", 1)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as stopped:
+            distributed.refuse("why")
+        assert stopped.value.code == code

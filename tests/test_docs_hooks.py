@@ -146,3 +146,20 @@ def test_code_that_holds_a_fence_gets_a_longer_fence(page):
     shown = page("::: code script.py FENCE\n").splitlines()
     assert shown[0] == '````python title="script.py"' and shown[-1] == "````"
     assert shown[1:-1] == ['FENCE = """', "```", '"""']
+
+
+def test_a_method_with_a_blank_line_comes_dedented_and_a_first_line_alone(tmp_path):
+    # A blank line in a method has no indentation to share; the file's last line, a comment, is
+    # no comment above a name on the first line.
+    (tmp_path / "script.py").write_text("ONE = 1\n\n\nclass Two:\n    def three(self):\n        x = 3\n\n"
+                                        "        return x\n# the file's last line\n")
+    assert shown(tmp_path, "Two.three") == "def three(self):\n    x = 3\n\n    return x"
+    assert shown(tmp_path, "ONE") == "ONE = 1"
+
+
+def test_an_annotated_name_comes_as_a_constant_does(tmp_path):
+    # Config's fields are annotated (context: int = 256): a page shows one as it shows LR.
+    (tmp_path / "script.py").write_text("class Config:\n    # Positions.\n    context: int = 256\n\n\n"
+                                        "LIMIT: int = 3\n")
+    assert shown(tmp_path, "Config.context") == "# Positions.\ncontext: int = 256"
+    assert shown(tmp_path, "LIMIT") == "LIMIT: int = 3"

@@ -191,3 +191,28 @@ def test_a_server_that_ignores_the_range_sends_the_whole_file_once(server, tmp_p
     files.fetch(server.url, tmp_path / "train.txt")
     assert server.ranges == ["bytes=100000-"]  # asked for the rest, and given the whole file
     assert (tmp_path / "train.txt").read_bytes() == server.content
+
+
+def test_a_download_of_the_first_megabytes_from_a_server_that_ignores_the_range_keeps_no_more(server, tmp_path):
+    # The server sends the whole file a megabyte at a time: what came past the limit is cut off,
+    # so data.py's --megabytes means the same on any server.
+    server.honours_range = False
+    path = tmp_path / "train.txt"
+    files.fetch(server.url, path, limit=1_000_000, end=f"\n{SEPARATOR}\n".encode())
+    text = path.read_text()
+    assert 999_000 < len(text) <= 1_000_000
+    assert text.endswith(f"{SEPARATOR}\n") and server.content.decode().startswith(text)
+
+
+def test_a_file_the_save_cannot_read_keeps_its_own_error(tmp_path):
+    # Only the disk or the folder refusing the temporary file is "cannot write in": an input the
+    # block reads, and may not, raises its own error, which names that file.
+    unreadable = tmp_path / "elsewhere" / "input.txt"
+    with pytest.raises(PermissionError):
+        with files.atomic(tmp_path / "out.txt") as tmp:
+            tmp.write_bytes(b"half")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unreadable))
+    assert [p.name for p in tmp_path.iterdir()] == []
+    with pytest.raises(SystemExit, match="cannot write in"):  # the temporary file's own refusal: one line
+        with files.atomic(tmp_path / "out.txt") as tmp:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp))
