@@ -351,14 +351,20 @@ def test_two_processes_gather_in_rank_order_average_and_take_rank_0_s_clock_and_
         assert got["precision"] == "bf16"
 
 
+def torchrun_on_gpus(monkeypatch, rank, local_rank, world, per_machine, gpus):
+    """The environment torchrun gives a process, on a machine of `gpus` GPUs (NCCL there too)."""
+    for name, value in {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world,
+                        "LOCAL_WORLD_SIZE": per_machine}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
 def test_more_processes_than_the_machine_has_gpus_are_refused_in_one_line(monkeypatch):
     # torchrun --nproc_per_node 4 on a machine of 3 GPUs: one GPU each is one too few, refused
     # before any process takes a GPU, not when two of them share one.
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    torchrun_on_gpus(monkeypatch, rank=0, local_rank=0, world=4, per_machine=4, gpus=3)
     with pytest.raises(SystemExit) as stopped:
         distributed.setup("cuda", 16, "instructions")
     assert stopped.value.code == ("4 processes on this machine, one GPU each, and it has 3: "
@@ -381,11 +387,7 @@ def test_what_rank_0_alone_runs_the_other_processes_wait_for(monkeypatch):
 def test_a_process_takes_the_gpu_of_its_place_on_its_own_machine(monkeypatch):
     # The second of two machines of 4 GPUs: the process of rank 5 is its machine's second, on
     # cuda:1 (its machine has no cuda:5).
-    for name, value in {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    torchrun_on_gpus(monkeypatch, rank=5, local_rank=1, world=8, per_machine=4, gpus=4)
     joined = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: joined.append(device))
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kwargs: joined.append(kwargs))

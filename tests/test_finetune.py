@@ -262,14 +262,21 @@ def test_the_instruction_loss_is_the_mean_over_all_story_tokens_and_leaves_dropo
         assert loss == pytest.approx(model(x, y)[1].item(), rel=1e-5)
 
 
-def test_the_run_s_levers_reach_its_steps(workspace, tmp_path, monkeypatch):
-    """--lr is the schedule's peak, --words the words asked, and each pass asks anew."""
-    shutil.copytree(workspace / "data", tmp_path / "data")
-    monkeypatch.chdir(tmp_path)
+def tiny_pretrained_model_in(folder, workspace, monkeypatch):
+    """A copy of the workspace's data in folder, made the current folder, with a tiny model
+    saved as checkpoints/pretrain; returns the tokenizer."""
+    shutil.copytree(workspace / "data", folder / "data")
+    monkeypatch.chdir(folder)
     tokenizer = load_tokenizer()
     torch.manual_seed(0)
     model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
-    save_checkpoint(tmp_path / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
+    save_checkpoint(folder / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
+    return tokenizer
+
+
+def test_the_run_s_levers_reach_its_steps(workspace, tmp_path, monkeypatch):
+    """--lr is the schedule's peak, --words the words asked, and each pass asks anew."""
+    tokenizer = tiny_pretrained_model_in(tmp_path, workspace, monkeypatch)
     lrs, asked, real_ask = [], [], finetune.ask_anew
 
     def ask_anew(story, askable, seed, *args):
@@ -300,12 +307,7 @@ def recorded_run(workspace, tmp_path, monkeypatch):
     """finetune.main() in a copy of the workspace, from a tiny pretrained model, with the steps, the losses and the
     demo story left out: run(*options) gives each step's record (its batch x and y, the stories asked for it, the
     weights of a weighted step, torch's seed), for the test to read what the options changed."""
-    shutil.copytree(workspace / "data", tmp_path / "data")
-    monkeypatch.chdir(tmp_path)
-    tokenizer = load_tokenizer()
-    torch.manual_seed(0)
-    model = GPT(Config(vocab_size=tokenizer.vocab_size, **TINY))
-    save_checkpoint(tmp_path / "checkpoints" / "pretrain", model, tokenizer, {"script": "train.py", "step": 1})
+    tokenizer = tiny_pretrained_model_in(tmp_path, workspace, monkeypatch)
     steps, asked, real_ask = [], [], finetune.ask_anew
 
     def ask_anew(story, *args):
