@@ -115,8 +115,8 @@ def made_with(file):
     """The command that makes a checkpoint, for the errors that name it."""
     # The folder under checkpoints/ says which script makes it: checkpoints/grpo/kl-0/... is
     # grpo.py's; finetune.py and dpo.py name a run's folder after the options it differs by
-    # (checkpoints/dpo-seed-2/, finetune-plain-0.5/).
-    # The last checkpoints/ of the path is the project's, wherever the project lies (as evaluate.saved_name reads it).
+    # (checkpoints/dpo-seed-2/, finetune-plain-0.5/). The path's last checkpoints/ is the
+    # project's own, wherever the project lies (as evaluate.saved_name reads it).
     folders = file.parts[:-1]
     found = [i for i, name in enumerate(folders[:-1]) if name == CHECKPOINTS.name]
     script_folder = folders[found[-1] + 1] if found else ""
