@@ -4,7 +4,8 @@ token's attention over the cache is kernels.block_attention, two of torch's prod
 The kernel below does the same work in C++ with AVX2 instructions (every x86 CPU of the last
 ten years has them): for each row and head, the scores in float32 from the keys (float32, or
 bf16 widened to float32), their softmax, and the values weighed in float32, in one pass that
-reads each key and value once. torch compiles it as the bench starts
+reads each key and value once, each block's keys as they lie in memory (one channel's positions
+after another), the softmax's exponentials 8 at a time. torch compiles it as the bench starts
 (torch.utils.cpp_extension.load_inline: a C++ compiler and the ninja build tool, about 30
 seconds the first time on a 2-core CPU, then kept).
 
@@ -63,6 +64,68 @@ static inline __m256 load8(const at::BFloat16* from) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 
+// e^x for 8 numbers at once, for the x <= 0 of a softmax (scores less their largest), where
+// std::exp takes one at a time: x = n ln 2 + r, e^r by a polynomial of degree 6 on |r| <=
+// ln(2)/2 (Cephes' expf), 2^n put in the exponent's bits; within 1.3 units in the last place
+// of float32. x is taken no lower than -87 (e^-87 is 1.6e-38, nothing beside the largest
+// score's 1), which keeps 2^n at 2^-126 or more, the least the exponent's bits hold.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // r = x - n ln 2, with ln 2 in two parts so that r keeps its low bits.
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+// The sum of 8 numbers, and below their largest: halves, then quarters, then the last two.
+static inline float sum8(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+static inline float max8(__m256 v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+// A block's scores, 32 positions at a time where it can, from its keys channel by channel
+// (`block` numbers a channel): the block is read as it lies in memory, one channel's
+// positions after another, in 8 sums (the even channels and the odd ones apart, so that each
+// sum waits on half as many).
+template <int CHANNELS, typename T>
+static inline void block_scores(const float* q, const T* key, int64_t block, float* scores) {
+    int64_t p = 0;
+    for (; p + 32 <= block; p += 32) {
+        __m256 even[4], odd[4];
+        for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm256_setzero_ps();
+        for (int c = 0; c < CHANNELS; c += 2) {
+            const __m256 qe = _mm256_set1_ps(q[c]), qo = _mm256_set1_ps(q[c + 1]);
+            for (int i = 0; i < 4; i++) {
+                even[i] = _mm256_fmadd_ps(qe, load8(key + c * block + p + 8 * i), even[i]);
+                odd[i] = _mm256_fmadd_ps(qo, load8(key + (c + 1) * block + p + 8 * i), odd[i]);
+            }
+        }
+        for (int i = 0; i < 4; i++) _mm256_store_ps(scores + p + 8 * i, _mm256_add_ps(even[i], odd[i]));
+    }
+    for (; p < block; p += 8) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < CHANNELS; c++) sum = _mm256_fmadd_ps(_mm256_set1_ps(q[c]), load8(key + c * block + p), sum);
+        _mm256_store_ps(scores + p, sum);
+    }
+}
+
 // One row and head: its query over the first `seen` positions of its keys and values, which
 // lie `block` positions at a time, `apart` numbers between one block and the next; a block's
 // keys channel by channel (`block` numbers a channel), its values position by position.
@@ -70,27 +133,34 @@ template <int CHANNELS, typename T>
 static void attend_one(const T* query, const T* keys, const T* values,
                        int64_t apart, int64_t block, int64_t seen, T* out) {
     constexpr int PARTS = CHANNELS / 8;
-    float scores[MOST_POSITIONS];
+    alignas(32) float scores[MOST_POSITIONS];
     float q[CHANNELS];
-    for (int c = 0; c < CHANNELS; c++) q[c] = static_cast<float>(query[c]);
-    // The scores in float32, block by block, 8 positions at a time: each channel adds its
-    // query number times those positions' keys (a block's slots past `seen` too, left unread below).
-    const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(CHANNELS)));
-    for (int64_t start = 0; start < seen; start += block) {
-        const T* key = keys + (start / block) * apart;
-        for (int64_t p = 0; p < std::min(seen - start, block); p += 8) {
-            __m256 sum = _mm256_mul_ps(_mm256_set1_ps(q[0]), load8(key + p));
-            for (int c = 1; c < CHANNELS; c++)
-                sum = _mm256_fmadd_ps(_mm256_set1_ps(q[c]), load8(key + c * block + p), sum);
-            _mm256_storeu_ps(scores + start + p, _mm256_mul_ps(sum, scale));
-        }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
+    for (int c = 0; c < CHANNELS; c++) q[c] = static_cast<float>(query[c]) * scale;
+    // The scores in float32, block by block, each whole (its slots past `seen` left unread
+    // below); the largest a row sees, which the softmax subtracts.
+    for (int64_t start = 0; start < seen; start += block)
+        block_scores<CHANNELS>(q, keys + (start / block) * apart, block, scores + start);
+    __m256 largest8 = _mm256_set1_ps(-INFINITY);
+    const int64_t whole = seen / 8 * 8;
+    for (int64_t p = 0; p < whole; p += 8) largest8 = _mm256_max_ps(largest8, _mm256_load_ps(scores + p));
+    float largest = max8(largest8);
+    for (int64_t p = whole; p < seen; p++) largest = std::max(largest, scores[p]);
+    // The softmax's weights, left unnormalized until the end (the last few one by one, so
+    // that no slot past `seen` enters the total).
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t p = 0; p < whole; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(scores + p), _mm256_set1_ps(largest)));
+        _mm256_store_ps(scores + p, e);
+        total8 = _mm256_add_ps(total8, e);
     }
-    // The largest score a row sees, which the softmax subtracts.
-    float largest = -INFINITY;
-    for (int64_t p = 0; p < seen; p++) largest = std::max(largest, scores[p]);
-    // The softmax's weights, left unnormalized until the end; then the values weighed by them.
-    float total = 0.0f;
-    for (int64_t p = 0; p < seen; p++) total += scores[p] = std::exp(scores[p] - largest);
+    float total = sum8(total8);
+    if (whole < seen) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(scores + whole), _mm256_set1_ps(largest)));
+        _mm256_store_ps(scores + whole, e);
+        for (int64_t p = whole; p < seen; p++) total += scores[p];
+    }
+    // The values weighed by them.
     __m256 sum[PARTS];
     for (int part = 0; part < PARTS; part++) sum[part] = _mm256_setzero_ps();
     for (int64_t start = 0; start < seen; start += block) {

@@ -280,6 +280,21 @@ KERNEL_BUILDS = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") a
                  and Path(sysconfig.get_paths()["include"], "Python.h").exists())
 
 
+def cache_of_rows_at_several_positions(channels, dtype, query_scale=1.0):
+    """A query for each of 24 rows and 3 heads, and their keys and values in 3 blocks, as
+    sample.KVCache keeps them (each block's keys channel by channel in memory); each row sees
+    its first positions, from 1 to all of them (the mask the cache makes)."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
+    q = (query_scale * torch.randn(rows, heads, 1, channels, generator=generator)).to(dtype)
+    keys = torch.randn(blocks, rows, heads, channels, block, generator=generator).to(dtype).transpose(-2, -1)
+    values = torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
+    seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
+    seen[:2] = torch.tensor([1, blocks * block])
+    visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
+    return q, keys, values, visible
+
+
 @pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
 @pytest.mark.parametrize("channels", [16, 32, 64])  # the tiny model's heads, the series', and the one between
 @pytest.mark.parametrize("dtype, rounding", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -287,18 +302,10 @@ def test_hand_written_kernel_gives_float64_s_answer_within_its_precision_s_round
     from bench import attention_kernel
 
     attention = attention_kernel.as_attention(attention_kernel.build()[0])
-    generator = torch.Generator().manual_seed(0)
-    rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
-    q = torch.randn(rows, heads, 1, channels, generator=generator).to(dtype)
-    # As sample.KVCache keeps them: each block's keys channel by channel in memory.
-    keys = torch.randn(blocks, rows, heads, channels, block, generator=generator).to(dtype).transpose(-2, -1)
-    values = torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
-    # Rows at several positions, from 1 to all of them; the slots a row does not see hold NaN in
-    # both keys and values: the kernel must leave them out of its answer (block_attention gets
-    # zeros there, as its products would carry a NaN).
-    seen = torch.randint(1, blocks * block + 1, (rows,), generator=generator)
-    seen[:2] = torch.tensor([1, blocks * block])
-    visible = (torch.arange(blocks * block) < seen[:, None])[:, None, None, :]
+    q, keys, values, visible = cache_of_rows_at_several_positions(channels, dtype)
+    blocks, block, rows = keys.size(0), keys.size(3), keys.size(1)
+    # The slots a row does not see hold NaN in both keys and values: the kernel must leave them
+    # out of its answer (block_attention gets zeros there, as its products would carry a NaN).
     unseen = ~visible[:, 0, 0].T.reshape(blocks, block, rows).transpose(1, 2)  # (blocks, rows, block)
     for cache in (keys, values):
         cache[unseen[:, :, None, :, None].expand_as(cache)] = float("nan")
@@ -316,6 +323,22 @@ def test_hand_written_kernel_gives_float64_s_answer_within_its_precision_s_round
     whole = F.scaled_dot_product_attention(q.double(), *[c.nan_to_num() for c in in_order])
     keys = keys.transpose(-2, -1).nan_to_num().transpose(-2, -1)  # NaN to 0 in the same layout
     assert torch.allclose(attention(q, keys, values.nan_to_num(), None).double(), whole, atol=rounding)
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
+def test_hand_written_kernel_s_softmax_holds_where_a_row_s_scores_lie_hundreds_apart():
+    from bench import attention_kernel
+
+    attention = attention_kernel.as_attention(attention_kernel.build()[0])
+    # Queries 40 times as large: most rows' scores then span more than 87, below which the
+    # kernel's e^x stops, and the rest of its range is crossed too.
+    q, keys, values, visible = cache_of_rows_at_several_positions(64, torch.float32, query_scale=40.0)
+    in_order = [cache.double().permute(1, 2, 0, 3, 4).flatten(2, 3) for cache in (keys, values)]
+    scores = (q.double() @ in_order[0].transpose(-2, -1) / 8).masked_fill(~visible, float("nan"))
+    spans = scores.nan_to_num(float("-inf")).amax(-1) - scores.nan_to_num(float("inf")).amin(-1)
+    assert (spans > 87).float().mean() > 0.5
+    exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
+    assert torch.allclose(attention(q, keys, values, visible).double(), exact, atol=1e-5)
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
