@@ -65,10 +65,11 @@ static inline __m256 load8(const at::BFloat16* from) {
 }
 
 // e^x for 8 numbers at once, for the x <= 0 of a softmax (scores less their largest), where
-// std::exp takes one at a time: x = n ln 2 + r, e^r by a polynomial of degree 6 on |r| <=
-// ln(2)/2 (Cephes' expf), 2^n put in the exponent's bits; within 1.3 units in the last place
-// of float32. x is taken no lower than -87 (e^-87 is 1.6e-38, nothing beside the largest
-// score's 1), which keeps 2^n at 2^-126 or more, the least the exponent's bits hold.
+// std::exp takes one at a time: x = n ln 2 + r, e^r as 1 + r + r^2 P(r) on |r| <= ln(2)/2,
+// P of degree 5 (Cephes' expf), 2^n put in the exponent's bits; within 1.3 units in the last
+// place of float32. x is taken no lower than -87 (e^-87 is 1.6e-38, nothing beside the largest
+// score's 1), which keeps 2^n at 2^-126 or more, the least the exponent's bits hold. (Slots
+// past a row's positions may give any x, NaN too: their e^x is computed and never used.)
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -100,14 +101,13 @@ static inline float max8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 }
 
-// A block's scores, 32 positions at a time where it can, from its keys channel by channel
-// (`block` numbers a channel): the block is read as it lies in memory, one channel's
-// positions after another, in 8 sums (the even channels and the odd ones apart, so that each
-// sum waits on half as many).
+// A block's scores, 32 positions at a time, from its keys channel by channel (`block`
+// numbers a channel): the block is read as it lies in memory, one channel's 32 positions after
+// another. For each 8 of the 32, one sum over the even channels and one over the odd: 8 sums,
+// each waiting on half as many products as one sum a position would.
 template <int CHANNELS, typename T>
 static inline void block_scores(const float* q, const T* key, int64_t block, float* scores) {
-    int64_t p = 0;
-    for (; p + 32 <= block; p += 32) {
+    for (int64_t p = 0; p < block; p += 32) {
         __m256 even[4], odd[4];
         for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm256_setzero_ps();
         for (int c = 0; c < CHANNELS; c += 2) {
@@ -119,11 +119,6 @@ static inline void block_scores(const float* q, const T* key, int64_t block, flo
         }
         for (int i = 0; i < 4; i++) _mm256_store_ps(scores + p + 8 * i, _mm256_add_ps(even[i], odd[i]));
     }
-    for (; p < block; p += 8) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int c = 0; c < CHANNELS; c++) sum = _mm256_fmadd_ps(_mm256_set1_ps(q[c]), load8(key + c * block + p), sum);
-        _mm256_store_ps(scores + p, sum);
-    }
 }
 
 // One row and head: its query over the first `seen` positions of its keys and values, which
@@ -133,12 +128,14 @@ template <int CHANNELS, typename T>
 static void attend_one(const T* query, const T* keys, const T* values,
                        int64_t apart, int64_t block, int64_t seen, T* out) {
     constexpr int PARTS = CHANNELS / 8;
+    // Every 8 scores start at a multiple of 8 (a block is a multiple of 32), so that they load
+    // and store as one aligned piece of 32 bytes.
     alignas(32) float scores[MOST_POSITIONS];
     float q[CHANNELS];
     const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
     for (int c = 0; c < CHANNELS; c++) q[c] = static_cast<float>(query[c]) * scale;
-    // The scores in float32, block by block, each whole (its slots past `seen` left unread
-    // below); the largest a row sees, which the softmax subtracts.
+    // The scores in float32, block by block, each whole; the largest a row sees, which the
+    // softmax subtracts. Slots past `seen` are kept out of it, the total and the weighed sum.
     for (int64_t start = 0; start < seen; start += block)
         block_scores<CHANNELS>(q, keys + (start / block) * apart, block, scores + start);
     __m256 largest8 = _mm256_set1_ps(-INFINITY);
@@ -213,7 +210,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     TORCH_CHECK(q.sizes() == torch::IntArrayRef({rows, heads, 1, channels}), "q: (rows, heads, 1, channels)");
     TORCH_CHECK(seen.numel() == rows && seen.min().item<int64_t>() >= 1, "seen: at least one position for each row");
     TORCH_CHECK(channels == 16 || channels == 32 || channels == 64, "a head's channels: 16, 32 or 64");
-    TORCH_CHECK(block % 8 == 0, "a block of positions 8 at a time");
+    TORCH_CHECK(blocks > 0 && block > 0 && block % 32 == 0, "blocks of positions 32 at a time");
     TORCH_CHECK(blocks * block <= MOST_POSITIONS, "at most ", MOST_POSITIONS, " positions");
     q = q.contiguous();
     seen = seen.to(torch::kLong).clamp_max(blocks * block).contiguous();

@@ -280,12 +280,12 @@ KERNEL_BUILDS = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") a
                  and Path(sysconfig.get_paths()["include"], "Python.h").exists())
 
 
-def cache_of_rows_at_several_positions(channels, dtype, query_scale=1.0):
+def cache_of_rows_at_several_positions(channels, dtype, query_scale=1.0, block=kernels.CACHE_BLOCK):
     """A query for each of 24 rows and 3 heads, and their keys and values in 3 blocks, as
     sample.KVCache keeps them (each block's keys channel by channel in memory); each row sees
     its first positions, from 1 to all of them (the mask the cache makes)."""
     generator = torch.Generator().manual_seed(0)
-    rows, heads, blocks, block = 24, 3, 3, kernels.CACHE_BLOCK
+    rows, heads, blocks = 24, 3, 3
     q = (query_scale * torch.randn(rows, heads, 1, channels, generator=generator)).to(dtype)
     keys = torch.randn(blocks, rows, heads, channels, block, generator=generator).to(dtype).transpose(-2, -1)
     values = torch.randn(blocks, rows, heads, block, channels, generator=generator).to(dtype)
@@ -339,6 +339,22 @@ def test_hand_written_kernel_s_softmax_holds_where_a_row_s_scores_lie_hundreds_a
     assert (spans > 87).float().mean() > 0.5
     exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
     assert torch.allclose(attention(q, keys, values, visible).double(), exact, atol=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
+def test_hand_written_kernel_reads_blocks_of_64_and_refuses_blocks_it_cannot_read_32_at_a_time():
+    from bench import attention_kernel
+
+    attention = attention_kernel.as_attention(attention_kernel.build()[0])
+    # Blocks of 64 positions: two runs of 32 positions in each block's scores.
+    q, keys, values, visible = cache_of_rows_at_several_positions(64, torch.float32, block=64)
+    in_order = [cache.double().permute(1, 2, 0, 3, 4).flatten(2, 3) for cache in (keys, values)]
+    exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
+    assert torch.allclose(attention(q, keys, values, visible).double(), exact, atol=1e-5)
+    # Blocks of 16 (block_attention reads them) are refused, not read past their end.
+    q, keys, values, visible = cache_of_rows_at_several_positions(64, torch.float32, block=16)
+    with pytest.raises(RuntimeError, match="blocks of positions 32 at a time"):
+        attention(q, keys, values, visible)
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
