@@ -19,7 +19,7 @@ With --compile, the same step compiled by torch.compile (the model's forward pas
 dynamic, as the cache grows by a position at each step) beside it, and one update
 minibatch of 16 stories of 224 positions, eager and compiled, each with its compile time.
 
-    python bench/decode.py                 (about a minute on a 2-core CPU)
+    python bench/decode.py                 (about 40 seconds on a 2-core CPU)
     python bench/decode.py --compile       (several minutes more: torch.compile on a CPU is slow to compile)
 """
 import argparse
