@@ -301,6 +301,10 @@ def main():
     args = parser.parse_args()
     if args.rollouts < 0 or args.rounds < 1:
         parser.error("--rollouts must be 0 or more, --rounds at least 1")
+    # The kernel reads a block 32 positions at a time: say so now, not in the middle of a timing.
+    if kernels.CACHE_BLOCK % 32:
+        raise SystemExit(f"the kernel reads blocks of a multiple of 32 positions; kernels.CACHE_BLOCK is "
+                         f"{kernels.CACHE_BLOCK}")
     # The model first: a missing or damaged checkpoint says so before a minute of building and timing.
     tokenizer = load_tokenizer() if args.rollouts else None
     model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval() if args.rollouts else None

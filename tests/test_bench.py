@@ -400,6 +400,15 @@ def test_attention_kernel_benchmark_names_a_missing_checkpoint_before_building(r
         run_main(attention_kernel, "checkpoints/finetune/step-9.pt", "--rollouts", "1")
 
 
+def test_attention_kernel_benchmark_refuses_a_cache_block_it_cannot_read_before_building(run_main, monkeypatch):
+    from bench import attention_kernel
+
+    monkeypatch.setattr(kernels, "CACHE_BLOCK", 16)
+    monkeypatch.setattr(attention_kernel, "build", lambda: pytest.fail("built for blocks it cannot read"))
+    with pytest.raises(SystemExit, match="blocks of a multiple of 32 positions; kernels.CACHE_BLOCK is 16"):
+        run_main(attention_kernel, "--rollouts", "0")
+
+
 def test_decode_benchmark_s_attention_reads_each_layer_s_own_cache():
     # One layer's cache read again would come from the CPU's cache where it fits: faster than a step.
     from bench import decode
