@@ -84,9 +84,10 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
     """A step's attention over the cache, every layer's, for ROWS rows at `positions` cached
     positions of a longer cache, as the writing reads it (without the mask of rows at several
     positions): two ways, and any in `more` (names, and functions that take block_attention's
-    inputs), taking turns, each way's milliseconds a step, the median of `rounds`. Each layer
-    reads its own cache, as in a step: one layer's read again would come from the CPU's own
-    cache where it fits, and faster than a step reads it."""
+    inputs, or (function, dtype) for one that reads the cache rounded to dtype), taking turns,
+    each way's milliseconds a step, the median of `rounds`. Each layer reads its own cache, as
+    in a step: one layer's read again would come from the CPU's own cache where it fits, and
+    faster than a step reads it."""
     c = model.config
     generator = torch.Generator(device=device).manual_seed(0)
     blocks = -(-(positions + 80) // CACHE_BLOCK)  # room for 80 more tokens, as a cache has
@@ -107,13 +108,16 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
     by_hand = {f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": block_attention,
                **(more or {})}
 
-    def over_blocks(attend):
-        """A way by hand, as a function of the layer whose cache it reads."""
-        return lambda layer: attend(query, *in_blocks[layer], visible)
+    def over_blocks(attend, dtype=None):
+        """A way by hand, as a function of the layer whose cache it reads (rounded to dtype, laid
+        out as it was, where the way reads it so)."""
+        caches = in_blocks if dtype is None else [[cache.to(dtype) for cache in layer] for layer in in_blocks]
+        return lambda layer: attend(query, *caches[layer], visible)
 
     ways = {"torch's fused kernel, over the positions so far": lambda layer: F.scaled_dot_product_attention(
         query, *in_order[layer])}
-    ways.update({way: over_blocks(attend) for way, attend in by_hand.items()})
+    ways.update({way: over_blocks(*attend) if isinstance(attend, tuple) else over_blocks(attend)
+                 for way, attend in by_hand.items()})
     seconds = {way: [] for way in ways}
     for _ in range(rounds):
         for way, attend in ways.items():

@@ -358,38 +358,98 @@ def test_hand_written_kernel_reads_blocks_of_64_and_refuses_blocks_it_cannot_rea
 
 
 @pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
-def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_pairs(run_main, monkeypatch, capsys):
+@pytest.mark.parametrize("channels", [16, 64])
+def test_hand_written_kernel_reads_an_fp16_cache_under_a_float32_query_and_refuses_other_mixes(channels):
+    from bench import attention_kernel
+
+    attention = attention_kernel.as_attention(attention_kernel.build()[0])
+    q, keys, values, visible = cache_of_rows_at_several_positions(channels, torch.float32)
+    halves = [cache.to(torch.float16) for cache in (keys, values)]  # laid out as they were
+    # float64's answer over the rounded cache: the kernel adds only float32's rounding to fp16's.
+    in_order = [cache.double().permute(1, 2, 0, 3, 4).flatten(2, 3) for cache in halves]
+    exact = F.scaled_dot_product_attention(q.double(), *in_order, attn_mask=visible)
+    ours = attention(q, *halves, visible)
+    assert ours.dtype == torch.float32
+    assert torch.allclose(ours.double(), exact, atol=1e-5)
+    # A bf16 query over an fp16 cache, or keys and values of two types, are refused in one line.
+    with pytest.raises(RuntimeError, match="or a float32 query over an fp16 cache"):
+        attention(q.bfloat16(), *halves, visible)
+    with pytest.raises(RuntimeError, match="or a float32 query over an fp16 cache"):
+        attention(q, halves[0], values, visible)
+
+
+# The bench's fp16 cache: the layers' float32 keys and values rounded as they are stored, rows
+# at several positions included (each row's token written at its own place), read by the kernel.
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
+def test_an_fp16_cache_read_by_the_kernel_gives_the_float32_cache_s_logits_to_fp16_s_rounding(monkeypatch):
+    import sample
+    from bench import attention_kernel
+    from test_model import tiny_model
+
+    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", True)  # the cache in blocks of 32, which the kernel reads
+    attention = attention_kernel.as_attention(attention_kernel.build()[0])
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    groups = [torch.randint(0, 97, (2, 3), generator=g), torch.randint(0, 97, (3, 40), generator=g)]
+    tokens = torch.randint(0, 97, (6, 5), generator=g)
+
+    def logits_of_each_step(cache_kind, attend):
+        monkeypatch.setattr(sample, "KVCache", cache_kind)
+        monkeypatch.setattr(kernels, "block_attention", attend)
+        with torch.no_grad():
+            logits, cache = prefill(model, groups, 6)
+            steps = [logits] + [model(token[:, None], cache=cache)[0][:, -1] for token in tokens]
+        return torch.stack(steps), cache
+
+    plain, _ = logits_of_each_step(sample.KVCache, kernels.block_attention)
+    rounded, cache = logits_of_each_step(attention_kernel.Fp16Cache, attention)
+    assert cache.keys.dtype == cache.values.dtype == torch.float16 and torch.is_tensor(cache.filled)
+    assert not torch.equal(rounded[1:], plain[1:])  # the steps read rounded keys and values
+    torch.testing.assert_close(rounded, plain, rtol=0, atol=1e-2)  # logits of up to about 5
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_attention_kernel_benchmark_reports_errors_steps_and_rollouts_in_turns(precision, run_main, monkeypatch,
+                                                                               capsys):
     import grpo
+    import sample
     from bench import attention_kernel
     from bench import train as train_bench
 
     monkeypatch.setattr(grpo, "MAX_NEW_TOKENS", 16)  # the tiny model's stories, cut short
-    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", False)  # as on a CPU with AMX: the bench still sets both ways
+    monkeypatch.setattr(kernels, "BY_HAND_ON_CPU", False)  # as on a CPU with AMX: the bench still sets every way
     monkeypatch.setattr(attention_kernel, "matmul_peak",
                         lambda device, dtype: train_bench.matmul_peak(device, dtype, size=256, repeats=2))
-    # Which attention the rollouts' steps ran (the tiny model's heads have 16 channels, the
-    # series' shapes elsewhere 64): each way, in its own rollouts.
+    # Which attention read which cache: in the rollouts, the tiny model's heads of 16 channels;
+    # alone, the series' shapes, heads of 64. Each way, over its own cache.
     used = set()
 
     def spy(way, attend):
-        def attention(q, *args, **kwargs):
-            if q.size(-1) == 16:
-                used.add(way)
-            return attend(q, *args, **kwargs)
+        def attention(q, keys, *args, **kwargs):
+            used.add((way, q.size(-1), keys.dtype))
+            return attend(q, keys, *args, **kwargs)
         return attention
     as_attention = attention_kernel.as_attention
     monkeypatch.setattr(attention_kernel, "as_attention", lambda compiled: spy("kernel", as_attention(compiled)))
     monkeypatch.setattr(kernels, "block_attention", spy("plain", kernels.block_attention))
-    run_main(attention_kernel, "--rollouts", "2", "--rounds", "1", "--precision", "bf16")
+    run_main(attention_kernel, "--rollouts", "2", "--rounds", "1", "--precision", precision)
     out = capsys.readouterr().out
-    assert "; bf16; the kernel built" in out and "128 stories, bf16," in out
-    for way in ("kernels.block_attention", "the kernel"):
+    assert f"; {precision}; the kernel built" in out and f"128 stories, {precision}," in out
+    ways = ["kernels.block_attention", "the kernel"] + (["the kernel, fp16 cache"] if precision == "fp32" else [])
+    for way in ways:
         assert re.search(rf"^  {way}: \d\.\de-\d\d on average, \d\.\de-\d\d at most$", out, re.MULTILINE)
         assert re.search(rf"^  {way}: [\d.]+ s, \d+ µs a token, \d+% of the peak$", out, re.MULTILINE)
+    assert "| positions | torch's fused kernel | " + " | ".join(ways) + " |" in out
     for positions in (32, 128, 224):
-        assert re.search(rf"^\| {positions} \|( [\d.]+ \|){{3}}$", out, re.MULTILINE)
-    assert re.search(r"pair by pair: [\d.]+, [\d.]+ \(median [\d.]+\)$", out, re.MULTILINE)
-    assert used == {"plain", "kernel"}
+        assert re.search(rf"^\| {positions} \|( [\d.]+ \|){{{len(ways) + 1}}}$", out, re.MULTILINE)
+    for way in ways[1:]:
+        assert re.search(rf"^  {way}: its time over block_attention's, turn by turn: [\d.]+, [\d.]+ \(median [\d.]+\)$",
+                         out, re.MULTILINE)
+    assert sample.KVCache is not attention_kernel.Fp16Cache  # the series' cache, put back after its rollouts
+    dtype = train_bench.DTYPES[precision]
+    caches = [("plain", dtype), ("kernel", dtype)] + ([("kernel", torch.float16)] if precision == "fp32" else [])
+    assert used == {(way, channels, cache) for way, cache in caches for channels in (16, 64)}
 
 
 def test_attention_kernel_benchmark_names_a_missing_checkpoint_before_building(run_main, monkeypatch, capsys):
@@ -423,6 +483,20 @@ def test_decode_benchmark_s_attention_reads_each_layer_s_own_cache():
     times = decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=2, more={"spy": spy})
     assert len(times) == 3 and len(read) == 2 * TINY["n_layer"]
     assert len(set(read)) == TINY["n_layer"] and len({ptr for pair in read for ptr in pair}) == 2 * TINY["n_layer"]
+
+
+def test_decode_benchmark_s_attention_gives_a_way_the_cache_rounded_where_it_asks_laid_out_as_before():
+    from bench import decode
+    from model import GPT, Config
+
+    model = GPT(Config(vocab_size=64, **TINY))
+    read = []
+
+    def spy(q, keys, values, visible):
+        read.append((keys.dtype, values.dtype, keys.transpose(-2, -1).is_contiguous(), values.is_contiguous()))
+        return kernels.block_attention(q, keys.float(), values.float(), visible)
+    decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=2, more={"fp16": (spy, torch.float16)})
+    assert read == [(torch.float16, torch.float16, True, True)] * (2 * TINY["n_layer"])
 
 
 def test_the_writing_reads_each_rows_positions_so_far_at_each_step_after_the_first_token():
