@@ -307,7 +307,7 @@ def errors_from_float64(attention, dtype, cache_dtype=None, rows=128, heads=6, c
 
 def writing_in_turns(model, tokenizer, ways, turns, precision):
     """A rollout's writing in `precision` with each of `ways` (a name: an attention that takes
-    block_attention's inputs, and the cache it reads) in turn, `turns` times, each turn the same
+    block_attention's inputs, the cache it reads, and that cache's precision) in turn, `turns` times, each turn the same
     instructions and draws, the order changing each turn: each way's seconds, tokens and matrix
     products."""
     asks = grpo_asks(tokenizer)
@@ -318,7 +318,7 @@ def writing_in_turns(model, tokenizer, ways, turns, precision):
         for turn in range(turns):
             first = turn % len(ways)
             for way in list(ways)[first:] + list(ways)[:first]:
-                attention, cache = ways[way]
+                attention, cache, _ = ways[way]
                 with mock.patch.object(kernels, "block_attention", attention), \
                         mock.patch.object(sample, "KVCache", cache):
                     started = time.perf_counter()
@@ -349,11 +349,12 @@ def main():
     attention = as_attention(compiled)
     precision = args.precision or default_precision(torch.device("cpu"))
     print(f"machine: {machine()}; {precision}; the kernel built (or loaded) in {seconds:.1f} s")
-    # Each way: its attention, and the cache it reads (its precision, for the attention alone).
-    ways = {"kernels.block_attention": (kernels.block_attention, sample.KVCache, None),
-            "the kernel": (attention, sample.KVCache, None)}
+    # Each way: its attention, the cache the writing keeps for it, and that cache's precision
+    # (None: the layers').
+    kernel_ways = {"the kernel": (attention, sample.KVCache, None)}
     if precision == "fp32":  # a bf16 cache is already half the bytes
-        ways["the kernel, fp16 cache"] = (attention, Fp16Cache, torch.float16)
+        kernel_ways["the kernel, fp16 cache"] = (attention, Fp16Cache, torch.float16)
+    ways = {"kernels.block_attention": (kernels.block_attention, sample.KVCache, None), **kernel_ways}
 
     print(f"\nfrom the float64 answer, 128 rows at 1 to 224 positions, {precision} inputs:")
     for way, (attend, _, cache_dtype) in ways.items():
@@ -361,8 +362,7 @@ def main():
         print(f"  {way}: {mean:.1e} on average, {largest:.1e} at most")
 
     series = GPT(Config())  # the series' shapes: its layers, heads and channels
-    by_hand = {way: (attend, cache_dtype) if cache_dtype else attend
-               for way, (attend, _, cache_dtype) in list(ways.items())[1:]}
+    by_hand = {way: (attend, cache_dtype) for way, (attend, _, cache_dtype) in kernel_ways.items()}
     print(f"\na step's attention, 7 layers, 128 rows, {precision}, {len(ways) + 1} ways taking turns (ms a step):")
     print("| positions | torch's fused kernel | " + " | ".join(ways) + " |")
     print("| --- " * (len(ways) + 2) + "|")
@@ -371,8 +371,7 @@ def main():
         print(f"| {positions} | " + " | ".join(f"{ms:.1f}" for ms in times.values()) + " |")
 
     if args.rollouts:
-        taken = writing_in_turns(model, tokenizer, {way: (attend, cache) for way, (attend, cache, _) in ways.items()},
-                                 args.rollouts, precision)
+        taken = writing_in_turns(model, tokenizer, ways, args.rollouts, precision)
         # The writing's share of the peak as bench/rollout.py counts it (the rollout's scoring,
         # about 0.02 s, included here).
         peak = matmul_peak(torch.device("cpu"), DTYPES[precision])

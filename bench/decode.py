@@ -83,9 +83,9 @@ def narrowing(cache, device):
 def attention_ways(model, device, precision, positions, rounds=5, more=None):
     """A step's attention over the cache, every layer's, for ROWS rows at `positions` cached
     positions of a longer cache, as the writing reads it (without the mask of rows at several
-    positions): two ways, and any in `more` (names, and functions that take block_attention's
-    inputs, or (function, dtype) for one that reads the cache rounded to dtype), taking turns,
-    each way's milliseconds a step, the median of `rounds`. Each layer reads its own cache, as
+    positions): two ways, and any in `more` (a name: a function that takes block_attention's
+    inputs, and the precision it reads the cache in, None for the layers'), taking turns, each
+    way's milliseconds a step, the median of `rounds`. Each layer reads its own cache, as
     in a step: one layer's read again would come from the CPU's own cache where it fits, and
     faster than a step reads it."""
     c = model.config
@@ -105,10 +105,10 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
     in_blocks = [[cache[:read] for cache in layer] for layer in layers]
     visible = torch.arange(read * CACHE_BLOCK, device=device) < positions
 
-    by_hand = {f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": block_attention,
+    by_hand = {f"by hand, over blocks of {CACHE_BLOCK} positions (kernels.block_attention)": (block_attention, None),
                **(more or {})}
 
-    def over_blocks(attend, dtype=None):
+    def over_blocks(attend, dtype):
         """A way by hand, as a function of the layer whose cache it reads (rounded to dtype, laid
         out as it was, where the way reads it so)."""
         caches = in_blocks if dtype is None else [[cache.to(dtype) for cache in layer] for layer in in_blocks]
@@ -116,8 +116,7 @@ def attention_ways(model, device, precision, positions, rounds=5, more=None):
 
     ways = {"torch's fused kernel, over the positions so far": lambda layer: F.scaled_dot_product_attention(
         query, *in_order[layer])}
-    ways.update({way: over_blocks(*attend) if isinstance(attend, tuple) else over_blocks(attend)
-                 for way, attend in by_hand.items()})
+    ways.update({way: over_blocks(attend, dtype) for way, (attend, dtype) in by_hand.items()})
     seconds = {way: [] for way in ways}
     for _ in range(rounds):
         for way, attend in ways.items():

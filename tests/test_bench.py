@@ -480,7 +480,7 @@ def test_decode_benchmark_s_attention_reads_each_layer_s_own_cache():
     def spy(q, keys, values, visible):
         read.append((keys.data_ptr(), values.data_ptr()))
         return kernels.block_attention(q, keys, values, visible)
-    times = decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=2, more={"spy": spy})
+    times = decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=2, more={"spy": (spy, None)})
     assert len(times) == 3 and len(read) == 2 * TINY["n_layer"]
     assert len(set(read)) == TINY["n_layer"] and len({ptr for pair in read for ptr in pair}) == 2 * TINY["n_layer"]
 
@@ -752,7 +752,7 @@ def test_decode_benchmark_s_attention_by_hand_reads_every_position_so_far_and_no
     def spy(q, keys, values, visible):
         read.append((len(keys), len(values), len(visible), int(visible.sum())))
         return kernels.block_attention(q, keys, values, visible)
-    decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=1, more={"spy": spy})
+    decode.attention_ways(model, torch.device("cpu"), "fp32", 40, rounds=1, more={"spy": (spy, None)})
     blocks = -(-40 // kernels.CACHE_BLOCK)
     assert read == [(blocks, blocks, blocks * kernels.CACHE_BLOCK, 40)] * TINY["n_layer"]
 

@@ -67,12 +67,12 @@ def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts
     assert resumed["made_by"]["step"] == 4 and "optimizer" in resumed
     assert resumed["made_by"]["settings"]["steps"] == 4 and resumed["made_by"]["settings"]["minutes"] == 30
 
-    # With --keep, each evaluation's model stays as step-N.pt, for the curve of words against steps.
-    # By default a run is STEPS steps, whatever the minutes allow beyond them, and three eighths of
-    # each batch is plain stories (an end-of-text for their prompt).
     # Fine-tuning on examples and plain windows of at most 64 tokens, not the context's 256: the
     # same schedule, folders and rows of a batch, in about a quarter of the time a step.
     monkeypatch.setattr(finetune, "MAX_LENGTH", 64)
+    # With --keep, each evaluation's model stays as step-N.pt, for the curve of words against steps.
+    # By default a run is STEPS steps, whatever the minutes allow beyond them, and three eighths of
+    # each batch is plain stories (an end-of-text for their prompt).
     monkeypatch.setattr(finetune, "EVAL_EVERY", 1)
     monkeypatch.setattr(finetune, "STEPS", 2)
     real_step, targets = finetune.train_step, []
