@@ -1,13 +1,13 @@
 """
 Benchmark: what a hand-written kernel would buy the writing on a CPU without AMX, where a new
 token's attention over the cache is kernels.block_attention, two of torch's products a block.
-The kernel below does the same work in C++ with AVX2 instructions (every x86 CPU of the last
-ten years has them): for each row and head, the scores in float32 from the keys (float32, or
-bf16 or fp16 widened to float32), their softmax, and the values weighed in float32, in one pass that
-reads each key and value once, each block's keys as they lie in memory (one channel's positions
-after another), the softmax's exponentials 8 at a time. torch compiles it as the bench starts
-(torch.utils.cpp_extension.load_inline: a C++ compiler and the ninja build tool, about 30
-seconds the first time on a 2-core CPU, then kept).
+The kernel (bench/attention_kernel.cpp) does the same work in C++ with AVX2 instructions (every
+x86 CPU of the last ten years has them): for each row and head, the scores in float32 from the
+keys (float32, or bf16 or fp16 widened to float32), their softmax, and the values weighed in
+float32, in one pass that reads each key and value once, each block's keys as they lie in
+memory (one channel's positions after another), the softmax's exponentials 8 at a time. The
+bench compiles it as it starts, a plain shared library without torch's headers (a C++
+compiler, about 3 seconds on a 2-core CPU), and calls it through ctypes on the tensors' memory.
 
 It measures three things, in the precision the scripts write in on this machine (--precision
 to choose): how near each way comes to the float64 answer; a step's attention, 7 layers of
@@ -18,17 +18,22 @@ busy machine by more than the ways differ. In float32 it measures one way more: 
 over a cache kept in fp16 (Fp16Cache), half the bytes for each step to read, the layers
 still in float32.
 
-The series does not use the kernel: it needs a compiler and ninja where a learner runs it,
-and its first build takes longer than it saves in a first ten-minute run (episode 16's speed
-page has the figures, and why). On a CPU with AMX, where the writing takes torch's fused
-kernel, the bench still sets the kernel beside block_attention, the cache in blocks for both.
+The series does not use the kernel: it needs a C++ compiler and an x86 CPU where a learner
+runs it, and in a ten-minute run it buys less than one rollout (episode 16's speed page has
+the figures, and why). On a CPU with AMX, where the writing takes torch's fused kernel, the
+bench still sets the kernel beside block_attention, the cache in blocks for both.
 
-    python bench/attention_kernel.py                  (about four minutes on a 2-core CPU, the first build included)
+    python bench/attention_kernel.py                  (about four minutes on a 2-core CPU)
     python bench/attention_kernel.py --rollouts 10    (ten turns: about two minutes more)
 """
 import argparse
+import ctypes
+import functools
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -51,219 +56,91 @@ from grpo import rollout  # noqa: E402
 from model import GPT, Config  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
-KERNEL = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <algorithm>
-#include <cmath>
+KERNEL = Path(__file__).with_name("attention_kernel.cpp")
 
-constexpr int64_t MOST_POSITIONS = 1024;  // a row's scores, kept on the stack
-
-// 8 numbers as float32 ones: float32 as they are; a bf16 number is the upper half of a float32's bits;
-// fp16 numbers widened by the CPU's own instruction (F16C, on every CPU with AVX2).
-static inline __m256 load8(const float* from) { return _mm256_loadu_ps(from); }
-static inline __m256 load8(const at::BFloat16* from) {
-    __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-static inline __m256 load8(const at::Half* from) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
-}
-
-// e^x for 8 numbers at once, for the x <= 0 of a softmax (scores less their largest), where
-// std::exp takes one at a time: x = n ln 2 + r, e^r as 1 + r + r^2 P(r) on |r| <= ln(2)/2,
-// P of degree 5 (Cephes' expf), 2^n put in the exponent's bits; within 1.3 units in the last
-// place of float32. x is taken no lower than -87 (e^-87 is 1.6e-38, nothing beside the largest
-// score's 1), which keeps 2^n at 2^-126 or more, the least the exponent's bits hold. (Slots
-// past a row's positions may give any x, NaN too: their e^x is computed and never used.)
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // r = x - n ln 2, with ln 2 in two parts so that r keeps its low bits.
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
-}
-
-// The sum of 8 numbers, and below their largest: halves, then quarters, then the last two.
-static inline float sum8(__m256 v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-}
-
-static inline float max8(__m256 v) {
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-}
-
-// A block's scores, 32 positions at a time, from its keys channel by channel (`block`
-// numbers a channel): the block is read as it lies in memory, one channel's 32 positions after
-// another. For each 8 of the 32, one sum over the even channels and one over the odd: 8 sums,
-// each waiting on half as many products as one sum a position would.
-template <int CHANNELS, typename T>
-static inline void block_scores(const float* q, const T* key, int64_t block, float* scores) {
-    for (int64_t p = 0; p < block; p += 32) {
-        __m256 even[4], odd[4];
-        for (int i = 0; i < 4; i++) even[i] = odd[i] = _mm256_setzero_ps();
-        for (int c = 0; c < CHANNELS; c += 2) {
-            const __m256 qe = _mm256_set1_ps(q[c]), qo = _mm256_set1_ps(q[c + 1]);
-            for (int i = 0; i < 4; i++) {
-                even[i] = _mm256_fmadd_ps(qe, load8(key + c * block + p + 8 * i), even[i]);
-                odd[i] = _mm256_fmadd_ps(qo, load8(key + (c + 1) * block + p + 8 * i), odd[i]);
-            }
-        }
-        for (int i = 0; i < 4; i++) _mm256_store_ps(scores + p + 8 * i, _mm256_add_ps(even[i], odd[i]));
-    }
-}
-
-// One row and head: its query over the first `seen` positions of its keys and values, which
-// lie `block` positions at a time, `apart` numbers between one block and the next; a block's
-// keys channel by channel (`block` numbers a channel), its values position by position.
-template <int CHANNELS, typename Q, typename T>
-static void attend_one(const Q* query, const T* keys, const T* values,
-                       int64_t apart, int64_t block, int64_t seen, Q* out) {
-    constexpr int PARTS = CHANNELS / 8;
-    // Every 8 scores start at a multiple of 8 (a block is a multiple of 32), so that they load
-    // and store as one aligned piece of 32 bytes.
-    alignas(32) float scores[MOST_POSITIONS];
-    float q[CHANNELS];
-    const float scale = 1.0f / std::sqrt(static_cast<float>(CHANNELS));
-    for (int c = 0; c < CHANNELS; c++) q[c] = static_cast<float>(query[c]) * scale;
-    // The scores in float32, block by block, each whole; the largest a row sees, which the
-    // softmax subtracts. Slots past `seen` are kept out of it, the total and the weighed sum.
-    for (int64_t start = 0; start < seen; start += block)
-        block_scores<CHANNELS>(q, keys + (start / block) * apart, block, scores + start);
-    __m256 largest8 = _mm256_set1_ps(-INFINITY);
-    const int64_t whole = seen / 8 * 8;
-    for (int64_t p = 0; p < whole; p += 8) largest8 = _mm256_max_ps(largest8, _mm256_load_ps(scores + p));
-    float largest = max8(largest8);
-    for (int64_t p = whole; p < seen; p++) largest = std::max(largest, scores[p]);
-    // The softmax's weights, left unnormalized until the end (the last few one by one, so
-    // that no slot past `seen` enters the total).
-    __m256 total8 = _mm256_setzero_ps();
-    for (int64_t p = 0; p < whole; p += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(scores + p), _mm256_set1_ps(largest)));
-        _mm256_store_ps(scores + p, e);
-        total8 = _mm256_add_ps(total8, e);
-    }
-    float total = sum8(total8);
-    if (whole < seen) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(scores + whole), _mm256_set1_ps(largest)));
-        _mm256_store_ps(scores + whole, e);
-        for (int64_t p = whole; p < seen; p++) total += scores[p];
-    }
-    // The values weighed by them.
-    __m256 sum[PARTS];
-    for (int part = 0; part < PARTS; part++) sum[part] = _mm256_setzero_ps();
-    for (int64_t start = 0; start < seen; start += block) {
-        const T* value = values + (start / block) * apart;
-        for (int64_t p = start; p < std::min(seen, start + block); p++, value += CHANNELS) {
-            __m256 weight = _mm256_set1_ps(scores[p]);
-            for (int part = 0; part < PARTS; part++)
-                sum[part] = _mm256_fmadd_ps(weight, load8(value + 8 * part), sum[part]);
-        }
-    }
-    float result[CHANNELS];
-    for (int part = 0; part < PARTS; part++)
-        _mm256_storeu_ps(result + 8 * part, _mm256_mul_ps(sum[part], _mm256_set1_ps(1.0f / total)));
-    for (int c = 0; c < CHANNELS; c++) out[c] = static_cast<Q>(result[c]);
-}
-
-// Every row and head of a step: the query and the answer of type Q, the cache of type T
-// (float, at::BFloat16 or at::Half).
-template <typename Q, typename T>
-static void attend_all(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                       const torch::Tensor& seen, torch::Tensor& out) {
-    const int64_t rows = keys.size(1), heads = keys.size(2), block = keys.size(3), channels = keys.size(4);
-    const Q* query = q.data_ptr<Q>();
-    const T *K = keys.data_ptr<T>(), *V = values.data_ptr<T>();
-    const int64_t* S = seen.data_ptr<int64_t>();
-    Q* O = out.data_ptr<Q>();
-    const int64_t apart = rows * heads * block * channels;
-    // Each row and head on its own: the threads share them out.
-    at::parallel_for(0, rows * heads, 8, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) {
-            const int64_t first = i * block * channels, at = i * channels, seen_here = S[i / heads];
-            if (channels == 16) attend_one<16>(query + at, K + first, V + first, apart, block, seen_here, O + at);
-            if (channels == 32) attend_one<32>(query + at, K + first, V + first, apart, block, seen_here, O + at);
-            if (channels == 64) attend_one<64>(query + at, K + first, V + first, apart, block, seen_here, O + at);
-        }
-    });
-}
-
-// q: (rows, heads, 1, channels); keys and values: (blocks, rows, heads, positions of a block,
-// channels), as sample.KVCache keeps them (each block's keys channel by channel in memory, a
-// transposed view): all float32, all bf16, or a float32 query over a cache kept in fp16 (half
-// the bytes to read). A row sees its first seen[row] positions.
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor seen) {
-    const auto query_type = q.scalar_type(), cache_type = keys.scalar_type();
-    const bool one_type = query_type == cache_type && (query_type == at::kFloat || query_type == at::kBFloat16);
-    const bool fp16_cache = query_type == at::kFloat && cache_type == at::kHalf;
-    TORCH_CHECK(values.scalar_type() == cache_type && (one_type || fp16_cache),
-                "the kernel takes float32 or bf16 throughout, or a float32 query over an fp16 cache");
-    TORCH_CHECK(keys.transpose(-2, -1).is_contiguous() && values.is_contiguous(),
-                "keys and values dense, as sample.KVCache keeps them: the kernel reads a cache's blocks in place");
-    TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes(),
-                "keys and values: (blocks, rows, heads, positions of a block, channels), of one shape");
-    const int64_t blocks = keys.size(0), rows = keys.size(1), heads = keys.size(2), block = keys.size(3);
-    const int64_t channels = keys.size(4);
-    TORCH_CHECK(q.sizes() == torch::IntArrayRef({rows, heads, 1, channels}), "q: (rows, heads, 1, channels)");
-    TORCH_CHECK(seen.numel() == rows && seen.min().item<int64_t>() >= 1, "seen: at least one position for each row");
-    TORCH_CHECK(channels == 16 || channels == 32 || channels == 64, "a head's channels: 16, 32 or 64");
-    TORCH_CHECK(blocks > 0 && block > 0 && block % 32 == 0, "blocks of positions 32 at a time");
-    TORCH_CHECK(blocks * block <= MOST_POSITIONS, "at most ", MOST_POSITIONS, " positions");
-    q = q.contiguous();
-    seen = seen.to(torch::kLong).clamp_max(blocks * block).contiguous();
-    auto out = torch::empty_like(q);
-    if (fp16_cache) attend_all<float, at::Half>(q, keys, values, seen, out);
-    else if (query_type == at::kFloat) attend_all<float, float>(q, keys, values, seen, out);
-    else attend_all<at::BFloat16, at::BFloat16>(q, keys, values, seen, out);
-    return out;
-}
-"""
+# The kernel's function for each pair of types it takes (the query's, the cache's).
+FUNCTIONS = {(torch.float32, torch.float32): "attend_float", (torch.bfloat16, torch.bfloat16): "attend_bf16",
+             (torch.float32, torch.float16): "attend_float_over_fp16"}
 
 
+@functools.cache
 def build():
-    """The compiled kernel (about 30 seconds the first time on a 2-core CPU, then torch's kept
-    build), and the seconds it took; or an exit that says what is missing."""
+    """The kernel compiled as a plain shared library (about 3 seconds on a 2-core CPU, once a
+    process) and loaded: its attend(q, keys, values, seen), and the seconds the build took; or
+    an exit that says what is missing."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # AVX-512 CPUs have AVX2 too
         raise SystemExit(f"the kernel needs an x86 CPU with AVX2; this one offers "
                          f"{torch.backends.cpu.get_cpu_capability()}")
-    from torch.utils.cpp_extension import load_inline
-
+    compiler = os.environ.get("CXX", "c++")
     started = time.perf_counter()
-    try:
-        compiled = load_inline("attention_kernel", cpp_sources=KERNEL, functions=["attend"],
-                               extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
-    except (RuntimeError, OSError) as error:  # no compiler, no ninja, or the build failed
-        first_line = str(error).strip().partition("\n")[0]
-        raise SystemExit(f"the kernel did not build (it needs a C++ compiler and ninja): {first_line}")
-    return compiled, time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as folder:
+        library = Path(folder, "attention_kernel.so")
+        command = [compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", str(KERNEL),
+                   "-o", str(library)]
+        try:
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise SystemExit(f"the kernel needs a C++ compiler: there is no {compiler} (CXX names another)")
+        except subprocess.CalledProcessError as error:
+            first_line = error.stderr.strip().partition("\n")[0]
+            raise SystemExit(f"the kernel did not build: {first_line}")
+        # Loaded into the process, the library no longer needs its file.
+        loaded = ctypes.CDLL(str(library))
+    for name in FUNCTIONS.values():
+        function = getattr(loaded, name)
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        function.restype = ctypes.c_bool
+    # The most positions a row may see: the kernel keeps a row's scores on its stack.
+    most_positions = ctypes.c_int64.in_dll(loaded, "most_positions").value
+    return functools.partial(attend, loaded, most_positions), time.perf_counter() - started
 
 
-def as_attention(compiled):
-    """The kernel behind block_attention's interface, for the writing (float32, bf16, or a
-    float32 query over an fp16 cache; no dropout): the cache's `visible` is each row's first
-    positions, so a row's count of them is all it needs."""
+def attend(library, most_positions, q, keys, values, seen):
+    """A new token's attention by the kernel: q (rows, heads, 1, channels) over keys and values
+    (blocks, rows, heads, positions of a block, channels) as sample.KVCache keeps them (each
+    block's keys channel by channel in memory, a transposed view), a row seeing its first
+    seen[row] positions. The kernel reads memory wherever it is told to: what it takes on trust
+    is checked here first (each row's count it checks itself, before it starts)."""
+    name = FUNCTIONS.get((q.dtype, keys.dtype))
+    if name is None or values.dtype != keys.dtype:
+        raise ValueError("the kernel takes float32 or bf16 throughout, or a float32 query over an fp16 cache")
+    if {tensor.device.type for tensor in (q, keys, values, seen)} != {"cpu"}:
+        raise ValueError("the kernel reads the CPU's memory: q, keys, values and seen on the CPU")
+    if keys.dim() != 5 or values.shape != keys.shape:
+        raise ValueError("keys and values: (blocks, rows, heads, positions of a block, channels), of one shape")
+    if not (keys.transpose(-2, -1).is_contiguous() and values.is_contiguous()):
+        raise ValueError("keys and values dense, as sample.KVCache keeps them: the kernel reads a cache's blocks "
+                         "in place")
+    blocks, rows, heads, block, channels = keys.shape
+    if q.shape != (rows, heads, 1, channels):
+        raise ValueError("q: (rows, heads, 1, channels)")
+    if seen.numel() != rows:
+        raise ValueError("seen: a count of positions for each row")
+    if channels not in (16, 32, 64):
+        raise ValueError("a head's channels: 16, 32 or 64")
+    if blocks == 0 or block == 0 or block % 32:
+        raise ValueError("blocks of positions 32 at a time")
+    if blocks * block > most_positions:
+        raise ValueError(f"at most {most_positions} positions")
+    q, seen = q.contiguous(), seen.to(torch.long).contiguous()
+    out = torch.empty_like(q)
+    if not getattr(library, name)(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(), out.data_ptr(),
+                                  blocks, rows, heads, block, channels, torch.get_num_threads()):
+        raise ValueError("seen: at least one position for each row")
+    return out
+
+
+def as_attention(attend):
+    """The kernel's attend behind block_attention's interface, for the writing (float32, bf16,
+    or a float32 query over an fp16 cache; no dropout): the cache's `visible` is each row's
+    first positions, so a row's count of them is all it needs."""
     def attention(q, keys, values, visible, dropout=0.0):
         assert not dropout, "the kernel writes without dropout"
         if visible is None:
             seen = torch.full((q.size(0),), keys.size(0) * keys.size(-2), device=q.device)
         else:  # (rows, 1, 1, positions) as the cache makes it, or one row of positions for all
             seen = visible.expand(q.size(0), 1, 1, visible.size(-1))[:, 0, 0].sum(-1)
-        return compiled.attend(q, keys, values, seen)
+        return attend(q, keys, values, seen)
     return attention
 
 
@@ -345,10 +222,10 @@ def main():
     # The model first: a missing or damaged checkpoint says so before a minute of building and timing.
     tokenizer = load_tokenizer() if args.rollouts else None
     model = load_checkpoint(args.model, torch.device("cpu"), tokenizer).eval() if args.rollouts else None
-    compiled, seconds = build()
-    attention = as_attention(compiled)
+    kernel, seconds = build()
+    attention = as_attention(kernel)
     precision = args.precision or default_precision(torch.device("cpu"))
-    print(f"machine: {machine()}; {precision}; the kernel built (or loaded) in {seconds:.1f} s")
+    print(f"machine: {machine()}; {precision}; the kernel built in {seconds:.1f} s")
     # Each way: its attention, the cache the writing keeps for it, and that cache's precision
     # (None: the layers').
     kernel_ways = {"the kernel": (attention, sample.KVCache, None)}
