@@ -1,7 +1,8 @@
 // The attention of one new token over sample.KVCache's blocks, for bench/attention_kernel.py,
 // which compiles it as a plain shared library (no torch headers: a few seconds to build) and
-// calls it through ctypes on the tensors' memory. Threads come from OpenMP: the library asks for
-// libgomp.so.1, the one torch has already loaded, so the kernel's threads are torch's own.
+// calls it through ctypes on the tensors' memory. Threads come from OpenMP: built by GCC, the
+// library asks for libgomp.so.1, and where torch's Linux wheel ships its own under that name (torch
+// 2.13's does) the one already loaded serves, so the kernel's threads are torch's own.
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -179,17 +180,21 @@ static bool attend_all(const Q* query, const T* keys, const T* values, const int
 }
 
 // The three pairs of types, each its own name for ctypes: float32 throughout, bf16 throughout, and a
-// float32 query over a cache kept in fp16 (half the bytes to read).
-#define SHAPES int64_t blocks, int64_t rows, int64_t heads, int64_t block, int64_t channels, int threads
-#define PASS blocks, rows, heads, block, channels, threads
+// float32 query over a cache kept in fp16 (half the bytes to read). Each takes the query, keys,
+// values, each row's count of positions and the answer's room (5 pointers), then blocks, rows, heads,
+// positions of a block and channels (5 int64), then the threads to run (an int).
 extern "C" {
-bool attend_float(const float* q, const float* k, const float* v, const int64_t* seen, float* out, SHAPES) {
-    return attend_all(q, k, v, seen, out, PASS);
+bool attend_float(const float* q, const float* k, const float* v, const int64_t* seen, float* out,
+                  int64_t blocks, int64_t rows, int64_t heads, int64_t block, int64_t channels, int threads) {
+    return attend_all(q, k, v, seen, out, blocks, rows, heads, block, channels, threads);
 }
-bool attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const int64_t* seen, BFloat16* out, SHAPES) {
-    return attend_all(q, k, v, seen, out, PASS);
+bool attend_bf16(const BFloat16* q, const BFloat16* k, const BFloat16* v, const int64_t* seen, BFloat16* out,
+                 int64_t blocks, int64_t rows, int64_t heads, int64_t block, int64_t channels, int threads) {
+    return attend_all(q, k, v, seen, out, blocks, rows, heads, block, channels, threads);
 }
-bool attend_float_over_fp16(const float* q, const Half* k, const Half* v, const int64_t* seen, float* out, SHAPES) {
-    return attend_all(q, k, v, seen, out, PASS);
+bool attend_float_over_fp16(const float* q, const Half* k, const Half* v, const int64_t* seen, float* out,
+                            int64_t blocks, int64_t rows, int64_t heads, int64_t block, int64_t channels,
+                            int threads) {
+    return attend_all(q, k, v, seen, out, blocks, rows, heads, block, channels, threads);
 }
 }

@@ -66,8 +66,8 @@ FUNCTIONS = {(torch.float32, torch.float32): "attend_float", (torch.bfloat16, to
 @functools.cache
 def build():
     """The kernel compiled as a plain shared library (about 3 seconds on a 2-core CPU, once a
-    process) and loaded: its attend(q, keys, values, seen), and the seconds the build took; or
-    an exit that says what is missing."""
+    process: a later call returns the same kernel and seconds) and loaded: its attend(q, keys,
+    values, seen), and the seconds the build took; or an exit that says what is missing."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # AVX-512 CPUs have AVX2 too
         raise SystemExit(f"the kernel needs an x86 CPU with AVX2; this one offers "
                          f"{torch.backends.cpu.get_cpu_capability()}")
@@ -81,11 +81,16 @@ def build():
             subprocess.run(command, check=True, capture_output=True, text=True)
         except FileNotFoundError:
             raise SystemExit(f"the kernel needs a C++ compiler: there is no {compiler} (CXX names another)")
+        except OSError as error:  # there, but not a program this user may run
+            raise SystemExit(f"the kernel needs a C++ compiler: {compiler} did not run ({error.strerror})")
         except subprocess.CalledProcessError as error:
-            first_line = error.stderr.strip().partition("\n")[0]
-            raise SystemExit(f"the kernel did not build: {first_line}")
+            # The compiler's first error, not the lines that say where it was found.
+            said = error.stderr.strip().splitlines() or ["no message"]
+            raise SystemExit(f"the kernel did not build: {next((line for line in said if 'error' in line), said[0])}")
         # Loaded into the process, the library no longer needs its file.
         loaded = ctypes.CDLL(str(library))
+    # Each function's C types (bench/attention_kernel.cpp's extern "C" block): without them, ctypes
+    # would pass Python's numbers as 32-bit ints and cut the pointers short.
     for name in FUNCTIONS.values():
         function = getattr(loaded, name)
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int]
@@ -130,17 +135,17 @@ def attend(library, most_positions, q, keys, values, seen):
     return out
 
 
-def as_attention(attend):
-    """The kernel's attend behind block_attention's interface, for the writing (float32, bf16,
-    or a float32 query over an fp16 cache; no dropout): the cache's `visible` is each row's
-    first positions, so a row's count of them is all it needs."""
+def as_attention(kernel):
+    """The kernel (build()'s attend) behind block_attention's interface, for the writing
+    (float32, bf16, or a float32 query over an fp16 cache; no dropout): the cache's `visible`
+    is each row's first positions, so a row's count of them is all it needs."""
     def attention(q, keys, values, visible, dropout=0.0):
         assert not dropout, "the kernel writes without dropout"
         if visible is None:
             seen = torch.full((q.size(0),), keys.size(0) * keys.size(-2), device=q.device)
         else:  # (rows, 1, 1, positions) as the cache makes it, or one row of positions for all
             seen = visible.expand(q.size(0), 1, 1, visible.size(-1))[:, 0, 0].sum(-1)
-        return attend(q, keys, values, seen)
+        return kernel(q, keys, values, seen)
     return attention
 
 
@@ -234,12 +239,12 @@ def main():
     ways = {"kernels.block_attention": (kernels.block_attention, sample.KVCache, None), **kernel_ways}
 
     print(f"\nfrom the float64 answer, 128 rows at 1 to 224 positions, {precision} inputs:")
-    for way, (attend, _, cache_dtype) in ways.items():
-        mean, largest = errors_from_float64(attend, DTYPES[precision], cache_dtype)
+    for way, (way_attention, _, cache_dtype) in ways.items():
+        mean, largest = errors_from_float64(way_attention, DTYPES[precision], cache_dtype)
         print(f"  {way}: {mean:.1e} on average, {largest:.1e} at most")
 
     series = GPT(Config())  # the series' shapes: its layers, heads and channels
-    by_hand = {way: (attend, cache_dtype) for way, (attend, _, cache_dtype) in kernel_ways.items()}
+    by_hand = {way: (way_attention, cache_dtype) for way, (way_attention, _, cache_dtype) in kernel_ways.items()}
     print(f"\na step's attention, 7 layers, 128 rows, {precision}, {len(ways) + 1} ways taking turns (ms a step):")
     print("| positions | torch's fused kernel | " + " | ".join(ways) + " |")
     print("| --- " * (len(ways) + 2) + "|")

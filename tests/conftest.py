@@ -153,13 +153,20 @@ def share_of_letters(text, words):
 @pytest.fixture
 def quick(monkeypatch):
     """Short stories and held-out stories, and an easy reward: with --lr 3e-3, a run of a tiny
-    model in seconds (script: ppo or grpo)."""
+    model in seconds (script: ppo or grpo). Each evaluation writes for 8 held-out instructions,
+    not 50, and a demo story of 8 tokens, as tests/launch.py's runs do."""
+    import dpo
     import evaluate
+
+    real_write = dpo.write
 
     def make_quick(script):
         monkeypatch.setattr(script, "words_used", share_of_letters)
         monkeypatch.setattr(script, "MAX_NEW_TOKENS", 16)
         monkeypatch.setattr(evaluate, "MAX_NEW_TOKENS", 16)
+        monkeypatch.setattr(script, "load_instructions", lambda: evaluate.load_instructions()[:8])
+        monkeypatch.setattr(dpo, "write", lambda *args, max_new_tokens=0, **options: real_write(*args, **options,
+                                                                                               max_new_tokens=8))
     return make_quick
 
 

@@ -271,10 +271,16 @@ def test_decode_benchmark_times_a_step_its_share_of_the_peak_and_lists_its_opera
                      r"  by hand, over blocks of 32 positions \(kernels.block_attention\): [\d.]+", out)
 
 
-# The hand-written kernel builds only where there is AVX2 and a C++ compiler.
-KERNEL_NEEDS = "the kernel needs an x86 CPU with AVX2 and a C++ compiler"
-KERNEL_BUILDS = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-                 and shutil.which(os.environ.get("CXX", "c++")) is not None)
+def compiler_takes_openmp():
+    """Whether there is a C++ compiler that takes -fopenmp (Apple's clang does not)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    return compiler is not None and subprocess.run([compiler, "-fopenmp", "-x", "c++", "-E", os.devnull],
+                                                   capture_output=True).returncode == 0
+
+
+# The hand-written kernel builds only where there is AVX2 and a C++ compiler with OpenMP.
+KERNEL_NEEDS = "the kernel needs an x86 CPU with AVX2 and a C++ compiler that takes -fopenmp"
+KERNEL_BUILDS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and compiler_takes_openmp()
 
 
 def cache_of_rows_at_several_positions(channels, dtype, query_scale=1.0, block=kernels.CACHE_BLOCK):
@@ -395,11 +401,48 @@ def test_hand_written_kernel_refuses_what_it_would_misread_in_one_line():
         attention(q[:, :2], keys, values, visible)
     with pytest.raises(ValueError, match="a head's channels: 16, 32 or 64"):
         attention(*cache_of_rows_at_several_positions(24, torch.float32))
+    last_row_sees_none = visible.clone()
+    last_row_sees_none[-1] = False
     with pytest.raises(ValueError, match="at least one position for each row"):
-        attention(q, keys, values, torch.zeros_like(visible))
+        attention(q, keys, values, last_row_sees_none)
     many = cache_of_rows_at_several_positions(16, torch.float32, block=32 * 11)  # 3 blocks of 352 positions
     with pytest.raises(ValueError, match="at most 1024 positions"):
         attention(*many)
+    # The kernel's own interface: a count for each row, and a count past the cache's end is all of it.
+    kernel = attention_kernel.build()[0]
+    with pytest.raises(ValueError, match="a count of positions for each row"):
+        kernel(q, keys, values, torch.full((q.size(0) - 1,), 5))
+    everything = torch.full((q.size(0),), keys.size(0) * keys.size(3))
+    assert torch.equal(kernel(q, keys, values, everything + 10**12), kernel(q, keys, values, everything))
+
+
+@pytest.mark.skipif(not KERNEL_BUILDS, reason=KERNEL_NEEDS)
+def test_hand_written_kernel_rounds_its_bf16_answers_to_the_nearest_ties_to_even_and_keeps_nan():
+    from bench import attention_kernel
+
+    kernel = attention_kernel.build()[0]
+    # A query of zeros weighs a row's positions alike: its answer is the mean of the values it sees,
+    # worked out exactly in float32. bf16 keeps 1 + 7 bits, so next to 1 its numbers lie 2^-7 apart.
+    q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
+    keys = torch.zeros(1, 1, 1, 16, 32, dtype=torch.bfloat16).transpose(-2, -1)
+    values = torch.zeros(1, 1, 1, 32, 16, dtype=torch.bfloat16)
+    step = 2.0 ** -7
+
+    def mean_of(*numbers):
+        values[0, 0, 0, :len(numbers)] = torch.tensor(numbers)[:, None]
+        return kernel(q, keys, values, torch.tensor([len(numbers)]))[0, 0, 0]
+
+    def bf16(number):
+        return torch.full((16,), number, dtype=torch.bfloat16)
+
+    # Halfway between two bf16 numbers, the answer goes to the one whose last bit is 0: down from
+    # 1 + 2^-8 to 1, up from 1 + 3 x 2^-8 to 1 + 2^-6 (truncating, or rounding ties away from 0,
+    # would get one of them wrong); past halfway, to the nearer one, up from 1 + 0.75 x 2^-7.
+    assert torch.equal(mean_of(1.0, 1.0 + step), bf16(1.0))
+    assert torch.equal(mean_of(1.0 + step, 1.0 + 2 * step), bf16(1.0 + 2 * step))
+    assert torch.equal(mean_of(1.0, 1.0, 1.0, 1.0 + 3 * step), bf16(1.0 + step))
+    # A value that is not a number makes the answer not a number, not infinity.
+    assert mean_of(1.0, 1.0, float("nan")).isnan().all()
 
 
 def test_hand_written_kernel_s_build_says_in_one_line_what_is_missing_or_what_failed(monkeypatch, tmp_path):
@@ -410,9 +453,16 @@ def test_hand_written_kernel_s_build_says_in_one_line_what_is_missing_or_what_fa
     monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
     with pytest.raises(SystemExit, match=r"needs a C\+\+ compiler: there is no .*no-compiler \(CXX names another\)$"):
         build()
-    # A compiler that fails: its first line of complaint, nothing half-loaded.
+    # A file that is there but is no program to run.
+    not_a_program = tmp_path / "not-a-program"
+    not_a_program.write_text("")
+    monkeypatch.setenv("CXX", str(not_a_program))
+    with pytest.raises(SystemExit, match=r"needs a C\+\+ compiler: .*not-a-program did not run \(Permission denied\)$"):
+        build()
+    # A compiler that fails: its first error, not the line before it that says where.
     failing = tmp_path / "failing-compiler"
-    failing.write_text("#!/bin/sh\necho 'attention_kernel.cpp:1: error: something is wrong' >&2\n"
+    failing.write_text("#!/bin/sh\necho \"attention_kernel.cpp: In function 'attend_one':\" >&2\n"
+                       "echo 'attention_kernel.cpp:1: error: something is wrong' >&2\n"
                        "echo 'and a second line' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CXX", str(failing))

@@ -267,7 +267,7 @@ def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace,
 
     monkeypatch.setattr(grpo, "rollout", interrupted_in_the_fourth)
     with pytest.raises(KeyboardInterrupt):
-        run_main(grpo, "--rollouts", "6", "--seed", "5", "--device", "cpu", "--precision", "bf16")
+        run_main(grpo, "--rollouts", "4", "--seed", "5", "--device", "cpu", "--precision", "bf16")
     folder = workspace / "checkpoints" / "grpo" / "kl-0.05-seed-5"
     assert sorted(p.name for p in folder.iterdir()) == ["rollout-0.pt", "rollout-2.pt"]
     capsys.readouterr()
@@ -276,11 +276,11 @@ def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace,
     updates = recording_the_update(grpo, "grpo_loss", monkeypatch)
     # In bfloat16, as the scripts run where it is faster: the update's first minibatch under
     # autocast still gives a ratio of exactly 1, after a resume too.
-    run_main(grpo, "--rollouts", "6", "--seed", "5", "--resume", "--device", "cpu", "--precision", "bf16")
+    run_main(grpo, "--rollouts", "4", "--seed", "5", "--resume", "--device", "cpu", "--precision", "bf16")
     out = capsys.readouterr().out
     assert "resuming" in out and "rollout 2," in out
-    assert re.findall(r"rollout (\d+): reward", out) == ["3", "4", "5", "6"]
-    assert read_checkpoint(folder)["made_by"]["rollout"] == 6
+    assert re.findall(r"rollout (\d+): reward", out) == ["3", "4"]
+    assert read_checkpoint(folder)["made_by"]["rollout"] == 4
     for update in first_minibatches(updates, grpo.PROMPTS * grpo.GROUP):
         assert torch.equal(update["ratio"] * update["mask"], update["mask"])
 

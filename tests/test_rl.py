@@ -71,12 +71,12 @@ def test_a_resumed_run_steps_as_an_uninterrupted_run_does(script, workspace, run
 @pytest.mark.parametrize("script", [ppo, grpo], ids=["ppo", "grpo"])
 def test_a_resumed_run_keeps_the_precision_it_started_with(script, workspace, run_main, quick, monkeypatch, capsys):
     quick(script)
-    monkeypatch.setattr(rl, "EVAL_EVERY", 2)
-    monkeypatch.setattr(script, "EVAL_EVERY", 2)
-    args = ["--rollouts", "3", "--seed", "11", "--device", "cpu", "--lr", "3e-3"]
+    monkeypatch.setattr(rl, "EVAL_EVERY", 1)
+    monkeypatch.setattr(script, "EVAL_EVERY", 1)
+    args = ["--rollouts", "2", "--seed", "11", "--device", "cpu", "--lr", "3e-3"]
     folder = workspace / "checkpoints" / script.__name__ / "kl-0.05-lr-0.003-seed-11"  # the run's own
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 2.1)
-    stepped_losses(script, run_main, monkeypatch, args, stop_before=2)  # stopped after its rollout-2 checkpoint
+    stepped_losses(script, run_main, monkeypatch, args, stop_before=1)  # stopped after its rollout-1 checkpoint
     # Timed again, the CPU would now pick fp32 (a busy moment, say): the run keeps its bf16.
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.2)
     capsys.readouterr()

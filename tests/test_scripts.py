@@ -30,18 +30,18 @@ def run(script, monkeypatch, *args):
 
 def test_interrupted_pretraining_resumes_on_its_schedule_then_fine_tuning_starts_from_it(learner, monkeypatch,
                                                                                         capsys):
-    # Each evaluation on less: the loss on plain stories over 8 windows, not 256, the instruction
-    # loss over 8 held-back examples, and a demo story of 8 tokens. At the series' size, the
+    # Each evaluation on less: the loss on plain stories over 1 window, not 256, the instruction
+    # loss over 2 held-back examples, and a demo story of 1 token. At the series' size, the
     # evaluations took most of this test's time, and it is about the schedule, not the figures.
     real_instruction_loss, real_demo_story = finetune.instruction_loss, train.demo_story
     for script in (train, finetune):
-        monkeypatch.setattr(script, "valid_loss", functools.partial(train.valid_loss, windows=8))
-        monkeypatch.setattr(script, "demo_story", lambda model, tokenizer, prompt, seed, max_new_tokens=8:
-                            real_demo_story(model, tokenizer, prompt, seed, max_new_tokens=8))
+        monkeypatch.setattr(script, "valid_loss", functools.partial(train.valid_loss, windows=1))
+        monkeypatch.setattr(script, "demo_story", lambda model, tokenizer, prompt, seed, max_new_tokens=1:
+                            real_demo_story(model, tokenizer, prompt, seed, max_new_tokens=1))
     monkeypatch.setattr(finetune, "instruction_loss",
-                        lambda model, examples, *args: real_instruction_loss(model, examples[:8], *args))
-    # And pretraining's steps on 4 windows, not 16: a quarter of the time, the same schedule.
-    monkeypatch.setattr(train, "random_batch", functools.partial(train.random_batch, batch=4))
+                        lambda model, examples, *args: real_instruction_loss(model, examples[:2], *args))
+    # And pretraining's steps on 1 window, not 16: the same schedule, in a fraction of the time.
+    monkeypatch.setattr(train, "random_batch", functools.partial(train.random_batch, batch=1))
     # A run of 4 steps, checkpointed every 2, interrupted during its third step.
     real_step, steps_taken = train.train_step, []
 
