@@ -23,7 +23,7 @@ runs it, and in a ten-minute run it buys less than one rollout (episode 16's spe
 the figures, and why). On a CPU with AMX, where the writing takes torch's fused kernel, the
 bench still sets the kernel beside block_attention, the cache in blocks for both.
 
-    python bench/attention_kernel.py                  (about four minutes on a 2-core CPU)
+    python bench/attention_kernel.py                  (four to five minutes on a 2-core CPU)
     python bench/attention_kernel.py --rollouts 10    (ten turns: about two minutes more)
 """
 import argparse
