@@ -41,7 +41,11 @@ template <> inline float narrow<float>(float x) { return x; }
 template <> inline BFloat16 narrow<BFloat16>(float x) {
     uint32_t bits;
     std::memcpy(&bits, &x, 4);
+    // A NaN stays one: the carry below could turn a NaN whose set bits are all in the lower half
+    // into infinity.
     if (std::isnan(x)) return BFloat16{0x7FC0};
+    // Adding 0x7FFF, and 1 more where the kept half is odd, carries into the kept half exactly
+    // when the dropped half is more than half of its last bit, or half of it and the kept half odd.
     return BFloat16{uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)};
 }
 

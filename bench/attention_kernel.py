@@ -71,22 +71,10 @@ def build():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # AVX-512 CPUs have AVX2 too
         raise SystemExit(f"the kernel needs an x86 CPU with AVX2; this one offers "
                          f"{torch.backends.cpu.get_cpu_capability()}")
-    compiler = os.environ.get("CXX", "c++")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         library = Path(folder, "attention_kernel.so")
-        command = [compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", str(KERNEL),
-                   "-o", str(library)]
-        try:
-            subprocess.run(command, check=True, capture_output=True, text=True)
-        except FileNotFoundError:
-            raise SystemExit(f"the kernel needs a C++ compiler: there is no {compiler} (CXX names another)")
-        except OSError as error:  # there, but not a program this user may run
-            raise SystemExit(f"the kernel needs a C++ compiler: {compiler} did not run ({error.strerror})")
-        except subprocess.CalledProcessError as error:
-            # The compiler's first error, not the lines that say where it was found.
-            said = error.stderr.strip().splitlines() or ["no message"]
-            raise SystemExit(f"the kernel did not build: {next((line for line in said if 'error' in line), said[0])}")
+        compile_kernel(library)
         # Loaded into the process, the library no longer needs its file.
         loaded = ctypes.CDLL(str(library))
     # Each function's C types (bench/attention_kernel.cpp's extern "C" block): without them, ctypes
@@ -100,14 +88,47 @@ def build():
     return functools.partial(attend, loaded, most_positions), time.perf_counter() - started
 
 
+def compile_kernel(library):
+    """bench/attention_kernel.cpp compiled into the shared library `library` by the C++ compiler
+    (CXX names another than c++), for AVX2 with FMA and F16C, threads by OpenMP; or an exit
+    that says in one line what went wrong."""
+    compiler = os.environ.get("CXX", "c++")
+    command = [compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", str(KERNEL),
+               "-o", str(library)]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit(f"the kernel needs a C++ compiler: there is no {compiler} (CXX names another)")
+    except OSError as error:  # there, but not a program this user may run
+        raise SystemExit(f"the kernel needs a C++ compiler: {compiler} did not run ({error.strerror})")
+    except subprocess.CalledProcessError as error:
+        # The compiler's first error, not the lines before it that say where it was found.
+        said = error.stderr.strip().splitlines() or ["no message"]
+        first_error = next((line for line in said if "error" in line), said[0])
+        raise SystemExit(f"the kernel did not build: {first_error}")
+
+
 def attend(library, most_positions, q, keys, values, seen):
     """A new token's attention by the kernel: q (rows, heads, 1, channels) over keys and values
     (blocks, rows, heads, positions of a block, channels) as sample.KVCache keeps them (each
     block's keys channel by channel in memory, a transposed view), a row seeing its first
-    seen[row] positions. The kernel reads memory wherever it is told to: what it takes on trust
-    is checked here first (each row's count it checks itself, before it starts)."""
-    name = FUNCTIONS.get((q.dtype, keys.dtype))
-    if name is None or values.dtype != keys.dtype:
+    seen[row] positions."""
+    # The kernel reads memory wherever it is told to: what it takes on trust is checked first.
+    refuse_what_the_kernel_would_misread(q, keys, values, seen, most_positions)
+    blocks, rows, heads, block, channels = keys.shape
+    q, seen = q.contiguous(), seen.to(torch.long).contiguous()
+    out = torch.empty_like(q)
+    # The kernel checks each row's count itself (at least one position), before it starts.
+    kernel = getattr(library, FUNCTIONS[q.dtype, keys.dtype])
+    if not kernel(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(), out.data_ptr(),
+                  blocks, rows, heads, block, channels, torch.get_num_threads()):
+        raise ValueError("seen: at least one position for each row")
+    return out
+
+
+def refuse_what_the_kernel_would_misread(q, keys, values, seen, most_positions):
+    """A one-line ValueError for inputs the kernel would read wrongly, or past their end."""
+    if (q.dtype, keys.dtype) not in FUNCTIONS or values.dtype != keys.dtype:
         raise ValueError("the kernel takes float32 or bf16 throughout, or a float32 query over an fp16 cache")
     if {tensor.device.type for tensor in (q, keys, values, seen)} != {"cpu"}:
         raise ValueError("the kernel reads the CPU's memory: q, keys, values and seen on the CPU")
@@ -127,12 +148,6 @@ def attend(library, most_positions, q, keys, values, seen):
         raise ValueError("blocks of positions 32 at a time")
     if blocks * block > most_positions:
         raise ValueError(f"at most {most_positions} positions")
-    q, seen = q.contiguous(), seen.to(torch.long).contiguous()
-    out = torch.empty_like(q)
-    if not getattr(library, name)(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(), out.data_ptr(),
-                                  blocks, rows, heads, block, channels, torch.get_num_threads()):
-        raise ValueError("seen: at least one position for each row")
-    return out
 
 
 def as_attention(kernel):

@@ -150,24 +150,32 @@ def share_of_letters(text, words):
     return sum(c.isalpha() for c in text) / max(len(text), 1)
 
 
-@pytest.fixture
-def quick(monkeypatch):
-    """Short stories and held-out stories, and an easy reward: with --lr 3e-3, a run of a tiny
-    model in seconds (script: ppo or grpo). Each evaluation writes for 8 held-out instructions,
-    not 50, and a demo story of 8 tokens, as tests/launch.py's runs do."""
+def at_most_8_tokens(write):
+    """write (a script's demo story), 8 tokens long whatever length it is asked for."""
+    def shorter(*args, max_new_tokens=None, **options):
+        return write(*args, max_new_tokens=8, **options)
+    return shorter
+
+
+def make_quick(setattr, script):
+    """Short stories and held-out stories, and an easy reward, for ppo or grpo: with --lr 3e-3,
+    a run of a tiny model in seconds. Each evaluation writes for 8 held-out instructions, not
+    50, and a demo story of 8 tokens. setattr: monkeypatch's in a test, Python's own in the
+    processes torchrun starts (tests/launch.py)."""
     import dpo
     import evaluate
 
-    real_write = dpo.write
+    setattr(script, "words_used", share_of_letters)
+    setattr(script, "MAX_NEW_TOKENS", 16)
+    setattr(evaluate, "MAX_NEW_TOKENS", 16)
+    setattr(script, "load_instructions", lambda: evaluate.load_instructions()[:8])
+    setattr(dpo, "write", at_most_8_tokens(dpo.write))
 
-    def make_quick(script):
-        monkeypatch.setattr(script, "words_used", share_of_letters)
-        monkeypatch.setattr(script, "MAX_NEW_TOKENS", 16)
-        monkeypatch.setattr(evaluate, "MAX_NEW_TOKENS", 16)
-        monkeypatch.setattr(script, "load_instructions", lambda: evaluate.load_instructions()[:8])
-        monkeypatch.setattr(dpo, "write", lambda *args, max_new_tokens=0, **options: real_write(*args, **options,
-                                                                                               max_new_tokens=8))
-    return make_quick
+
+@pytest.fixture
+def quick(monkeypatch):
+    """make_quick for a test: quick(ppo) or quick(grpo)."""
+    return lambda script: make_quick(monkeypatch.setattr, script)
 
 
 def log_points(folder, tag, values):

@@ -5,9 +5,9 @@ torchrun starts, so they start this file, which patches the script, then runs it
     torchrun --standalone --nproc_per_node 2 tests/launch.py grpo ARGS
 
 The patches (patch(), which a test in one process applies with monkeypatch's setattr) are
-those the tests make in one process (conftest.py's quick): the tests' tiny model, without
-dropout (two processes can't draw one process's dropout masks), short stories, 8 held-out
-instructions and short demo stories, the easy reward. Environment variables the tests set:
+those the tests make in one process (conftest.py's make_quick), and the tests' tiny model,
+without dropout (two processes can't draw one process's dropout masks), for pretraining and
+fine-tuning too. Environment variables the tests set:
 
 - EVAL_EVERY: rollouts between PPO's and GRPO's checkpoints;
 - STORIES_BY_PROMPT: each group (GRPO) or batch (PPO) of stories drawn with a seed of its own
@@ -25,18 +25,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch  # noqa: E402
 
-import dpo  # noqa: E402
-import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
 import rl  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
-from conftest import share_of_letters  # noqa: E402
+from conftest import at_most_8_tokens, make_quick  # noqa: E402
 from model import TINY, Config  # noqa: E402
 
-real_demo, real_write = train.demo_story, dpo.write
 SCRIPTS = {"train": train, "finetune": finetune, "ppo": ppo, "grpo": grpo}
 RANK = os.environ.get("RANK", "0")
 
@@ -54,16 +51,13 @@ def stories_by_prompt(policy, prompts, max_new_tokens, generator=None, **options
 
 def patch(setattr, environment):
     setattr(train, "Config", tiny_config)
+    demo_story = at_most_8_tokens(train.demo_story)
     for script in (train, finetune):
         setattr(script, "valid_loss", functools.partial(train.valid_loss, windows=16))
-        setattr(script, "demo_story", lambda *args, max_new_tokens=0, **options: real_demo(*args, **options,
-                                                                                       max_new_tokens=8))
-    setattr(dpo, "write", lambda *args, max_new_tokens=0, **options: real_write(*args, **options, max_new_tokens=8))
-    for script in (ppo, grpo, evaluate, sample):
-        setattr(script, "MAX_NEW_TOKENS", 16)
+        setattr(script, "demo_story", demo_story)
+    setattr(sample, "MAX_NEW_TOKENS", 16)
     for script in (ppo, grpo):
-        setattr(script, "words_used", share_of_letters)
-        setattr(script, "load_instructions", lambda: evaluate.load_instructions()[:8])
+        make_quick(setattr, script)
         if "EVAL_EVERY" in environment:
             setattr(script, "EVAL_EVERY", int(environment["EVAL_EVERY"]))
         if environment.get("STORIES_BY_PROMPT"):
