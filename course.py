@@ -46,9 +46,9 @@ RECORD = RUNS / "course.json"  # each step's command and minutes, kept from one 
 PLOTS = ROOT / "docs" / "img"  # where docs/plots.py draws
 KL = 0.05  # the KL weight of PPO and of the first GRPO run; the second runs without the penalty
 # Each training script's budget, as its options: steps and rollouts, so that any machine makes the
-# same models, a faster one sooner. The minutes are only a cap, over twice what the slowest of
-# the project's 2-core CPUs takes, so that only a machine far slower stops short (with a model
-# that learned less).
+# same models, a faster one sooner. The minutes are only a cap, 2.4 to 5.7 times what each step
+# took on the course's 2-core EPYC (results/README.md), so that only a machine more than twice
+# as slow stops short (with a model that learned less).
 # Pretraining: 2,322 steps, what `python train.py --minutes 60` made in bf16 on 2 cores of an AMD
 # EPYC with fast bf16, and the model that fine-tuning's recipe was measured from (episode 3).
 # Fine-tuning: its own 1,000 steps. DPO: 100 steps, ten to fourteen minutes on two CPU cores.

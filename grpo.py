@@ -24,6 +24,9 @@ Where this departs from the paper and from the frameworks:
   no gradient; we count those groups rather than refill the batch.
 - With --kl 0 there is no penalty (DAPO's choice), but the reference stays, to measure how
   far the policy drifts.
+- PPO's precision: log-probabilities in float32, the matrix products of the writing and of
+  the update in bfloat16 where the device does them faster (devices.default_precision).
+  The formula is the same; the numbers round differently.
 - The evaluation each EVAL_EVERY rollouts, the log of each rollout and the end of a run
   are PPO's, shared in rl.py: evaluate (DPO's, which PPO uses too: dpo.words_rate on the
   held-out instructions and the demo story, written with sample.write), rl.log_rollout and
