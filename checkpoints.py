@@ -154,8 +154,23 @@ def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False, advi
     if model.config.context != Config.context:
         raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
                          f"{Config.context}; {advice}")
+    # A token it could write past the tokenizer's would decode as nothing; one the tokenizer has past its
+    # vocabulary would fail in the embedding.
+    if tokenizer is not None and model.config.vocab_size != tokenizer.vocab_size:
+        raise SystemExit(f"{file} has a vocabulary of {model.config.vocab_size} tokens, where data/tokenizer.json "
+                         f"has {tokenizer.vocab_size}; {advice}")
     if not quiet:
         made_by = checkpoint["made_by"]
         when = f"rollout {made_by['rollout']}" if "rollout" in made_by else f"step {made_by.get('step', '?')}"
         print(f"model: {model.parameter_count() / 1e6:.2f}M parameters, {file} ({made_by.get('script', '?')}, {when})")
     return model.to(device)
+
+
+def must_load(path, what, load, advice, why="damaged"):
+    """Runs load(), which loads a part of the checkpoint at path (an optimizer's state, a
+    random state): one line ending on `advice`, not a traceback, when that part does not fit
+    this run."""
+    try:
+        load()
+    except (ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise SystemExit(f"{path} holds {what} that does not fit this run ({why}: {type(error).__name__}); {advice}")

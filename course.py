@@ -177,14 +177,20 @@ def run(command):
 
 
 def read_record():
+    """Each step's command and minutes (None: started, never finished), from earlier runs of the course."""
     try:
         record = json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
+        if not isinstance(record, dict) or not all(map(recorded, record.values())):
+            raise ValueError("not a command and its minutes for each step")
     except ValueError as error:
-        record = error
-    if not isinstance(record, dict):
-        raise SystemExit(f"{RECORD} is damaged ({record}); delete it, and python course.py takes each step whose "
+        raise SystemExit(f"{RECORD} is damaged ({error}); delete it, and python course.py takes each step whose "
                          "output is there as done, an interrupted one too (delete that output to run it again)")
     return record
+
+
+def recorded(made):
+    return (isinstance(made, dict) and isinstance(made.get("command"), str)
+            and "minutes" in made and (made["minutes"] is None or isinstance(made["minutes"], (int, float))))
 
 
 def save_record(record):
@@ -267,7 +273,15 @@ def model_rows(seeds):
 def measured(folder):
     """evaluate.py's figures for a model, or None before it is measured."""
     path = evaluation(folder)
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        figures = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        figures = None
+    if not isinstance(figures, dict):
+        raise SystemExit(f"{path} is damaged; delete it, and python course.py measures {folder} again")
+    return figures
 
 
 def made(folder):

@@ -215,7 +215,16 @@ def read_manifest(out):
         done = json.loads((Path(out) / "manifest.json").read_text())
     except (OSError, ValueError):
         return {}
-    return done if isinstance(done, dict) and all(isinstance(step, dict) for step in done.values()) else {}
+    return done if isinstance(done, dict) and all(map(step_well_formed, done.values())) else {}
+
+
+def step_well_formed(step):
+    """Whether a step of the manifest holds what run_step wrote: its outputs, each a size and a
+    hash (or None)."""
+    outputs = step.get("outputs", {}) if isinstance(step, dict) else None
+    return isinstance(outputs, dict) and all(
+        made is None or (isinstance(made, list) and len(made) == 2 and isinstance(made[0], int))
+        for made in outputs.values())
 
 
 def run_step(out, step, inputs, outputs, make):
@@ -252,8 +261,12 @@ def one_at_a_time(out):
     """Holds the data folder while this run prepares it: a second data.py on the same folder
     stops with one line, where both would write its files and the manifest of one could name
     the data of the other. The lock is the operating system's, so a killed run leaves none."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a") as file:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        file = open(out / ".lock", "a")
+    except OSError as error:
+        raise SystemExit(unwritable(out, error)) from None
+    with file:
         try:
             lock(file)
         except OSError:
@@ -307,6 +320,14 @@ def read_instructions(path=DATA / "instructions.jsonl", limit=None):
             raise SystemExit(f"{path} is damaged ({error}); make it again with python data.py")
     if not instructions:
         raise SystemExit(f"{path} holds no instructions; prepare the data again with python data.py")
-    if not all(isinstance(i, dict) and {"words", "instruction", "story"} <= i.keys() for i in instructions):
+    if not all(map(well_formed, instructions)):
         raise SystemExit(f"{path} has a line without its words, instruction and story; make it again with python data.py")
     return instructions
+
+
+def well_formed(instruction):
+    """Whether a line of instructions.jsonl holds its words (a list of words: a string would be
+    read letter by letter), its instruction and its story."""
+    return (isinstance(instruction, dict) and isinstance(instruction.get("words"), list)
+            and all(isinstance(word, str) for word in instruction["words"])
+            and isinstance(instruction.get("instruction"), str) and isinstance(instruction.get("story"), str))

@@ -137,9 +137,12 @@ def same_tokenizer(tokenizer, pairs, settings):
 
 
 def well_formed(pair, vocab_size):
-    """Whether a pair holds an instruction and, for each side, a story's tokens (numbers below vocab_size)."""
+    """Whether a pair holds an instruction and, for each side, a story's tokens: numbers below
+    vocab_size, at most MAX_NEW_TOKENS of them, as the model writes them (more, with the
+    instruction, would not fit DPO's context)."""
     return isinstance(pair.get("instruction"), str) and all(
-        isinstance(tokens, list) and tokens and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
+        isinstance(tokens, list) and 0 < len(tokens) <= MAX_NEW_TOKENS
+        and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
         for tokens in (pair.get("chosen_tokens"), pair.get("rejected_tokens")))
 
 

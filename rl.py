@@ -18,8 +18,8 @@ import time
 import torch
 
 import distributed
-from checkpoints import CHECKPOINTS, checkpoint_file, model_from, read_checkpoint, save_checkpoint
-from data import SEED
+from checkpoints import CHECKPOINTS, checkpoint_file, model_from, must_load, read_checkpoint, save_checkpoint
+from data import SEED, SEEDS
 
 EVAL_EVERY = 10  # rollouts
 AFRESH = "start the run without --resume"  # the advice of every line that refuses a resume
@@ -50,8 +50,8 @@ def parse_rl_args(parser):
         parser.error("--lr must be a positive number")
     if args.rollouts < 1:
         parser.error("--rollouts must be at least 1")
-    if args.seed < 0:
-        parser.error("--seed must be 0 or more")
+    if not 0 <= args.seed < SEEDS:
+        parser.error(f"--seed must be 0 to {SEEDS - 1}")
     return args
 
 
@@ -137,6 +137,11 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     missing = [key for key in ("optimizer", "numpy_random", "torch_random", *modules) if key not in checkpoint]
     if missing:
         raise SystemExit(f"{saved[-1]} is not a rollout checkpoint of this script (no {', '.join(missing)}); {AFRESH}")
+    # Where the run stood: its rollouts, its seconds, and the settings it started with.
+    made_by = checkpoint["made_by"]
+    if not (isinstance(made_by.get("rollout"), int) and isinstance(made_by.get("seconds"), (int, float))
+            and isinstance(made_by.get("settings"), dict)):
+        raise SystemExit(f"{saved[-1]} does not say its rollout, seconds and settings; {AFRESH}")
     resumed = model_from(checkpoint, saved[-1], tokenizer=tokenizer, quiet=True, advice=AFRESH)
     if resumed.config != policy.config:
         raise SystemExit(f"{saved[-1]} holds a model of another shape than the one this run starts from; {AFRESH}")
@@ -144,29 +149,21 @@ def resume(folder, policy, optimizer, rng, tokenizer, **modules):
     # state, loaded as it is. A damaged one, or an optimizer of other weights (PPO's, with its
     # critic, in a GRPO run's folder), is refused in one line.
     numpy_copy = copy.deepcopy(rng).bit_generator
-    must_load(saved[-1], "a NumPy random state", lambda: setattr(numpy_copy, "state", checkpoint["numpy_random"]))
-    must_load(saved[-1], "a torch random state", lambda: torch.Generator().set_state(checkpoint["torch_random"]))
+    must_load(saved[-1], "a NumPy random state", lambda: setattr(numpy_copy, "state", checkpoint["numpy_random"]),
+              AFRESH)
+    must_load(saved[-1], "a torch random state", lambda: torch.Generator().set_state(checkpoint["torch_random"]),
+              AFRESH)
     for name, module in modules.items():
-        must_load(saved[-1], f"a {name}", lambda: copy.deepcopy(module).load_state_dict(checkpoint[name]))
-    must_load(saved[-1], "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]),
+        must_load(saved[-1], f"a {name}", lambda: copy.deepcopy(module).load_state_dict(checkpoint[name]), AFRESH)
+    must_load(saved[-1], "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]), AFRESH,
               why="damaged, or another script's")
     policy.load_state_dict(resumed.state_dict())
     for name, module in modules.items():
         module.load_state_dict(checkpoint[name])
     rng.bit_generator.state = checkpoint["numpy_random"]
     torch.set_rng_state(checkpoint["torch_random"])
-    made_by = checkpoint["made_by"]
     print(f"resuming {saved[-1]}: rollout {made_by['rollout']}, {made_by['seconds'] / 60:.1f} minutes so far")
     return checkpoint
-
-
-def must_load(path, what, load, why="damaged"):
-    """Runs load(), which loads a part of the rollout checkpoint at path: one line, not a
-    traceback, when that part does not fit this run."""
-    try:
-        load()
-    except (ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise SystemExit(f"{path} holds {what} that does not fit this run ({why}: {type(error).__name__}); {AFRESH}")
 
 
 def finish(folder, rollout, start, policy, tokenizer, settings, writer, evaluate_and_save):

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, model_from, read_checkpoint, run_settings, run_writer, save_checkpoint
-from data import SEED
+from checkpoints import (CHECKPOINTS, RUNS, model_from, must_load, read_checkpoint, run_settings, run_writer,
+                         save_checkpoint)
+from data import SEED, SEEDS
 from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable, require
 from model import GPT, Config
@@ -74,8 +75,8 @@ def parse_training_args(parser):
     args = parser.parse_args()
     if not 0 < args.minutes < math.inf or (args.steps is not None and args.steps <= 0):
         parser.error("--minutes and --steps must be positive (and --minutes a number)")
-    if vars(args).get("seed", 0) < 0:  # finetune.py and dpo.py add --seed; numpy's generators take none below 0
-        parser.error("--seed must be 0 or more")
+    if not 0 <= vars(args).get("seed", 0) < SEEDS:  # finetune.py and dpo.py add --seed
+        parser.error(f"--seed must be 0 to {SEEDS - 1}")
     if vars(args).get("micro_batch") is not None and args.micro_batch < 1:  # train.py and finetune.py add it
         parser.error("--micro-batch must be 1 or more")
     return args
@@ -115,6 +116,15 @@ def random_batch(tokens, rng, device, batch=BATCH, context=CONTEXT):
     starts = rng.integers(0, len(tokens) - context, size=batch)  # the high end excluded
     windows = torch.from_numpy(np.stack([tokens[s:s + context + 1] for s in starts]).astype(np.int64))
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+
+def resumable(made_by):
+    """Whether a pretraining checkpoint's made_by says where its run stood: its step, its
+    seconds, and the schedule it started with."""
+    settings, numbers = made_by.get("settings"), (int, float)
+    return (isinstance(made_by.get("step"), int) and isinstance(made_by.get("seconds"), numbers)
+            and isinstance(settings, dict) and isinstance(settings.get("minutes"), numbers)
+            and "steps" in settings and isinstance(settings["steps"], (int, type(None))))
 
 
 def resume_draws(checkpoint, rng, step):
@@ -246,9 +256,12 @@ def main():
         if made_by.get("script") != "train.py" or "optimizer" not in checkpoint:
             raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; "
                              "start without --resume")
+        if not resumable(made_by):
+            raise SystemExit(f"{folder} does not say its step, seconds and schedule; start without --resume")
         model = model_from(checkpoint, folder, device, tokenizer)
         optimizer = make_optimizer(model)
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        must_load(folder, "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]),
+                  "start without --resume")
         step, elapsed = made_by["step"], made_by["seconds"]
         # The schedule is the one the run started with, whatever the command line says now.
         schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]
@@ -261,7 +274,7 @@ def main():
         # timing could choose the other one and train another model.
         precision = args.precision or resumed_precision(made_by["settings"], device)
         print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
-        resume_draws(checkpoint, rng, step)
+        must_load(folder, "a random state", lambda: resume_draws(checkpoint, rng, step), "start without --resume")
     else:
         precision = args.precision or default_precision(device)
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)

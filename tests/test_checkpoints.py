@@ -183,6 +183,17 @@ def test_a_model_whose_context_is_not_the_series_is_refused(small_tokenizer, tmp
         load_checkpoint(path)
 
 
+def test_a_model_whose_vocabulary_is_not_its_tokenizer_s_is_refused(small_tokenizer, tmp_path):
+    # Made with this tokenizer, but cut to fewer tokens: one the tokenizer writes would fail in the embedding.
+    path = tmp_path / "checkpoints" / "finetune" / "model.pt"
+    model = GPT(Config(vocab_size=small_tokenizer.vocab_size - 8, **TINY))
+    save_checkpoint(path, model, small_tokenizer, {"script": "test"})
+    with pytest.raises(SystemExit, match=f"a vocabulary of {small_tokenizer.vocab_size - 8} tokens, where "
+                                         f"data/tokenizer.json has {small_tokenizer.vocab_size}; .*python finetune.py"):
+        load_checkpoint(path, tokenizer=small_tokenizer)
+    assert load_checkpoint(path).config.vocab_size == small_tokenizer.vocab_size - 8  # no tokenizer, no check
+
+
 def test_model_of_another_tokenizer_is_refused(small_model, small_tokenizer, tmp_path):
     path = tmp_path / "model.pt"
     save_checkpoint(path, small_model, small_tokenizer, {"script": "test"})

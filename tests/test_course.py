@@ -397,9 +397,22 @@ def test_the_course_s_figures_are_drawn_from_its_runs_each_method_with_all_its_s
 def test_a_damaged_record_stops_the_course_with_one_line(learner, monkeypatch):
     (learner / "runs").mkdir()
     Scripts(monkeypatch)
-    for damaged in ('{"pretraining": {"command": "python train', "[]"):  # cut off; not a record of steps
+    # Cut off; not a record of steps; a step without its minutes, or with a number for its command.
+    for damaged in ('{"pretraining": {"command": "python train', "[]", '{"data": {"command": "python data.py"}}',
+                    '{"data": 5}', '{"data": {"command": 5, "minutes": 1.0}}'):
         (learner / course.RECORD).write_text(damaged)
         with pytest.raises(SystemExit, match="course.json is damaged .*; delete it"):
+            take_course(monkeypatch, "--quick")
+
+
+def test_a_damaged_evaluation_stops_the_report_with_one_line(learner, monkeypatch):
+    Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    figures = learner / "runs" / "evaluate" / "dpo.json"
+    for damaged in ("", "[]"):  # cut off; not a model's figures
+        figures.write_text(damaged)
+        with pytest.raises(SystemExit, match="dpo.json is damaged; delete it, and python course.py measures "
+                                             "checkpoints/dpo again"):
             take_course(monkeypatch, "--quick")
 
 

@@ -1,4 +1,5 @@
 import _pyio
+import errno
 import gzip
 import json
 import os
@@ -236,6 +237,15 @@ def test_instructions_read_back_as_written_and_bad_files_are_refused(prepared, t
     empty.write_text("")
     with pytest.raises(SystemExit, match="no instructions"):
         files.read_instructions(empty)
+    # Lines of JSON with their keys, but not of their kinds: words given as one string would
+    # be read letter by letter by the reward; an instruction that is a number fails in the tokenizer.
+    first = json.loads(lines[0])
+    for key, value in (("words", first["words"][0]), ("words", [1, 2, 3]), ("instruction", 12345),
+                       ("story", None)):
+        wrong = tmp_path / "wrong.jsonl"
+        wrong.write_text(json.dumps({**first, key: value}) + "\n" + lines[1] + "\n")
+        with pytest.raises(SystemExit, match="a line without its words, instruction and story"):
+            files.read_instructions(wrong)
     # Whole lines, but fewer of them than data.py wrote (a copy cut short): its manifest says so.
     (prepared / "instructions.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     with pytest.raises(SystemExit, match="where data.py made"):
@@ -328,11 +338,33 @@ def test_a_token_file_cut_since_data_py_made_it_is_refused(prepared):
         train.load_tokens("train", prepared)
 
 
-def test_a_damaged_manifest_runs_every_step_again(corpus, prepared, capsys):
-    (prepared / "manifest.json").write_text('{"stories": ')
+@pytest.mark.parametrize("damaged", ['{"stories": ', '{"tokens": {"outputs": []}}',
+                                     '{"tokens": {"outputs": {"valid.bin": ["649444", "x"]}}}',
+                                     '{"instructions": {"outputs": {"instructions.jsonl": 5}}}'])
+def test_a_damaged_manifest_runs_every_step_again_and_checks_nothing(damaged, corpus, prepared, capsys):
+    import train
+
+    (prepared / "manifest.json").write_text(damaged)
+    # Read as no manifest: the files it would check against are read as they are.
+    assert files.read_manifest(prepared) == {}
+    assert len(train.load_tokens("valid", prepared)) > 0
+    assert files.read_instructions(prepared / "instructions.jsonl")
     capsys.readouterr()
     prepare(corpus, prepared)
     assert "up to date" not in capsys.readouterr().out
+
+
+def test_a_data_folder_it_cannot_write_is_refused_in_one_line(corpus, prepared, monkeypatch):
+    # A folder on a read-only disk: the lock, the first file data.py opens there, is refused.
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    before = {path.name: path.read_bytes() for path in prepared.iterdir()}
+    monkeypatch.setattr(files, "open", read_only, raising=False)
+    monkeypatch.setattr("sys.argv", ["data.py", "--source", str(corpus), "--out", str(prepared)])
+    with pytest.raises(SystemExit, match=f"cannot write in {prepared} .Read-only file system.; make it writable"):
+        data.main()
+    assert {path.name: path.read_bytes() for path in prepared.iterdir()} == before
 
 
 def test_a_second_data_py_on_the_same_folder_is_refused(corpus, tmp_path, monkeypatch):

@@ -14,6 +14,21 @@ from evaluate import load_instructions, measure, model_name, words_used
 from tokenizer import load_tokenizer
 
 
+def test_the_held_out_stories_are_written_as_the_rollouts_write_them(monkeypatch):
+    # Up to 200 tokens at temperature 1 with no top-k: the same stories the RL episodes score.
+    import sample
+
+    calls = []
+
+    def recording(model, tokenizer, prompts, max_new_tokens, temperature=1.0, top_k=None, seed=0):
+        calls.append((prompts, max_new_tokens, temperature, top_k, seed))
+        return []
+
+    monkeypatch.setattr(evaluate, "write_stories", recording)
+    evaluate.heldout_stories(None, None, [{"instruction": "Write a story."}], seed=3)
+    assert calls == [(["Write a story."], sample.MAX_NEW_TOKENS, 1.0, None, 3)] and sample.MAX_NEW_TOKENS == 200
+
+
 @pytest.mark.parametrize("story, share", [
     ("The kite flew over the river. Brave Tom!", 1.0),
     ("THE KITE, the River... (and nothing else)", 2 / 3),

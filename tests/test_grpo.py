@@ -1,3 +1,4 @@
+import inspect
 import itertools
 import math
 import os
@@ -251,6 +252,50 @@ def test_the_logged_kl_is_the_k3_estimate_summed_over_a_story_s_tokens(script, w
     run_main(script, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
     (figures,) = logged
     assert figures["kl"] == pytest.approx((math.e - 2) * figures["completions/mean_length"], rel=1e-5)
+
+
+@pytest.mark.parametrize("script, loss_name", [(ppo, "ppo_loss"), (grpo, "grpo_loss")])
+def test_the_loss_gets_the_writing_policy_s_log_probabilities_and_the_reference_s(script, loss_name, workspace,
+                                                                                 run_main, quick, monkeypatch):
+    # The reference made one nat likelier than the policy at every token: in the first rollout,
+    # whose policy is the reference, every update's ref - old is 1 on the story tokens (the
+    # KL measured from the reference, not from the policy that wrote the stories); and old is
+    # held as the rollout's, so that the ratio moves from 1 once the policy has moved.
+    quick(script)
+    real_logprobs, real_loss, got = script.token_logprobs, getattr(script, loss_name), []
+
+    def reference_one_nat_likelier(model, x, y, **options):
+        logprobs = real_logprobs(model, x, y, **options)
+        return logprobs if next(model.parameters()).requires_grad else logprobs + 1.0
+
+    def loss(new, old, ref, advantages, mask, kl):
+        policy_loss, ratio = real_loss(new, old, ref, advantages, mask, kl)
+        got.append((ref - old, ratio.detach(), mask))
+        return policy_loss, ratio
+
+    monkeypatch.setattr(script, "token_logprobs", reference_one_nat_likelier)
+    monkeypatch.setattr(script, loss_name, loss)
+    run_main(script, "--rollouts", "1", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
+    assert all(torch.allclose(difference * mask, mask, atol=1e-5) for difference, _, mask in got)
+    assert torch.equal(got[0][1] * got[0][2], got[0][2])
+    assert any(not torch.allclose(ratio * mask, mask) for _, ratio, mask in got[1:])
+
+
+@pytest.mark.parametrize("script", [ppo, grpo])
+def test_a_rollout_writes_at_temperature_1_with_no_top_k(script, workspace, run_main, quick, monkeypatch):
+    # The update compares each token's probability with the full distribution it was drawn from.
+    quick(script)
+    real_generate, options = script.generate, []
+
+    def recording(*args, **kwargs):
+        bound = inspect.signature(real_generate).bind(*args, **kwargs)
+        bound.apply_defaults()
+        options.append((bound.arguments["temperature"], bound.arguments["top_k"]))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(script, "generate", recording)
+    run_main(script, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
+    assert options == [(1.0, None)]
 
 
 def test_an_interrupted_run_resumes_where_its_last_checkpoint_left_it(workspace, run_main, quick, monkeypatch,

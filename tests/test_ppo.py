@@ -47,6 +47,19 @@ def test_token_logprobs_equal_a_hand_computation():
     assert got[0, :2].tolist() == [0.0, 0.0] and not got[0, 5:].any()  # the prompt and the padding
 
 
+def test_token_logprobs_are_float32_where_the_logits_are_bf16():
+    # Under autocast the logits come out in bf16; rounded back to bf16, each log-probability
+    # would move by up to 1/256 of its size, and the ratio and KL with it.
+    model = tiny_policy()
+    x, y, mask = ppo.pack([[0, 7, 8]], [[9, 10, 0]], pad=0, device="cpu")
+    with torch.no_grad(), autocast("cpu", "bf16"):
+        got = ppo.token_logprobs(model, x, y)
+        logits, _ = model(x)
+    assert logits.dtype == torch.bfloat16 and got.dtype == torch.float32
+    by_hand = torch.log_softmax(logits[0, 2:5].float(), -1).gather(-1, torch.tensor([[9], [10], [0]])).squeeze(1)
+    assert torch.allclose(got[0, 2:5], by_hand, atol=1e-5)
+
+
 def write_and_record(model, groups, max_new_tokens, stop, monkeypatch):
     """Writes after groups of prompts in one batch, as the rollouts do, and records the
     log-probability of each drawn token under the distribution it was drawn from: the batched
@@ -362,6 +375,52 @@ def first_minibatches(updates, stories):
     return updates[::per_rollout]
 
 
+def test_the_critic_learns_the_story_s_reward(workspace, run_main, quick, monkeypatch):
+    # Every story scores 0.5 and the critic starts at 0: its first error is 0.5 squared at every token.
+    quick(ppo)
+    monkeypatch.setattr(ppo, "words_used", lambda story, words: 0.5)
+    updates = recording_the_update(ppo, "ppo_loss", monkeypatch)
+    run_main(ppo, "--rollouts", "1", "--device", "cpu", "--precision", "fp32")
+    assert updates[0]["critic_loss"] == pytest.approx(0.25)
+
+
+def test_each_token_s_advantage_is_the_reward_less_the_critic_s_guess_at_that_token(workspace, run_main, quick,
+                                                                                   monkeypatch):
+    # In the second rollout the critic has learned, and guesses differently along a story: the
+    # advantage at each token is the story's reward less the critic's guess from that token's
+    # channels, before whitening.
+    quick(ppo)
+    seen, modules, checked = {}, [], []
+    real_logprobs, real_rollout, real_whiten, real_wrap = ppo.token_logprobs, ppo.rollout, ppo.whiten, ppo.distributed.wrap
+
+    def keeping_channels(model, x, y, hidden=False):
+        out = real_logprobs(model, x, y, hidden=hidden)
+        if hidden and not torch.is_grad_enabled():  # the rollout's, before the update
+            seen["channels"] = out[1]
+        return out
+
+    def keeping_rewards(*args, **kwargs):
+        prompts, stories, rewards = real_rollout(*args, **kwargs)
+        seen["rewards"] = rewards
+        return prompts, stories, rewards
+
+    def checked_whiten(advantages, mask):
+        critic = modules[1]
+        with torch.no_grad():
+            values = critic(seen["channels"].float()).squeeze(-1)
+        expected = (torch.tensor(seen["rewards"])[:, None] - values) * mask
+        checked.append((torch.allclose(advantages, expected, atol=1e-6), values[mask.bool()].unique().numel()))
+        return real_whiten(advantages, mask)
+
+    monkeypatch.setattr(ppo, "token_logprobs", keeping_channels)
+    monkeypatch.setattr(ppo, "rollout", keeping_rewards)
+    monkeypatch.setattr(ppo, "whiten", checked_whiten)
+    monkeypatch.setattr(ppo.distributed, "wrap", lambda module: modules.append(module) or real_wrap(module))
+    run_main(ppo, "--rollouts", "2", "--lr", "3e-3", "--device", "cpu", "--precision", "fp32")
+    assert [same for same, _ in checked] == [True, True]
+    assert checked[1][1] > 1  # the second rollout's guesses differ from token to token
+
+
 def test_ppo_raises_an_easy_reward_and_saves_its_run(workspace, run_main, quick, capsys, monkeypatch):
     quick(ppo)
     updates = recording_the_update(ppo, "ppo_loss", monkeypatch)
@@ -434,7 +493,8 @@ def test_the_critic_s_error_moves_the_critic_alone_and_its_guesses_are_taken_fro
 
 @pytest.mark.parametrize("args, message", [(["--kl", "-0.1"], "--kl"), (["--minutes", "0"], "--minutes"),
                                            (["--rollouts", "0"], "--rollouts"), (["--lr", "0"], "--lr"),
-                                           (["--seed", "-1"], "--seed must be 0 or more")])
+                                           (["--seed", "-1"], "--seed must be 0 to 4294967295"),
+                                           (["--seed", str(2 ** 32)], "--seed must be 0 to 4294967295")])
 def test_bad_options_get_one_line(run_main, capsys, args, message):
     with pytest.raises(SystemExit):
         run_main(ppo, *args)

@@ -216,6 +216,22 @@ def test_resume_refuses_a_damaged_random_state_or_module_before_anything_loads(w
     assert rng.bit_generator.state == drawn_before
 
 
+@pytest.mark.parametrize("damage", [lambda made_by: made_by.pop("seconds"), lambda made_by: made_by.pop("settings"),
+                                    lambda made_by: made_by.update(rollout="2")])
+def test_resume_refuses_a_checkpoint_that_does_not_say_where_its_run_stood(workspace, workspace_tokenizer, tmp_path,
+                                                                         damage):
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
+    rl.save_rollout(tmp_path, 2, 30.0, GPT(policy.config), workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    checkpoint = read_checkpoint(tmp_path / "rollout-2.pt")
+    damage(checkpoint["made_by"])
+    torch.save(checkpoint, tmp_path / "rollout-2.pt")
+    before = {name: weight.clone() for name, weight in policy.state_dict().items()}
+    with pytest.raises(SystemExit, match="does not say its rollout, seconds and settings; start the run without"):
+        rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)
+    assert all(torch.equal(weight, before[name]) for name, weight in policy.state_dict().items())
+
+
 def test_resume_goes_on_from_the_highest_rollout_by_number(workspace, workspace_tokenizer, tmp_path):
     # rollout-10.pt comes after rollout-9.pt, though not in the alphabet.
     policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)

@@ -98,10 +98,28 @@ def test_writing_turns_dropout_off_and_leaves_a_training_model_in_training(small
     assert small_model.training
 
 
+def test_write_passes_its_temperature_and_top_k_on(small_model, small_tokenizer):
+    # Temperature 0 and top-k 1 each take the likeliest token whatever the seed; temperature 1
+    # draws, so two seeds write two stories.
+    def story(seed, **options):
+        return write(small_model, small_tokenizer, "A kite", max_new_tokens=24, seed=seed, **options)
+
+    greedy = story(1, temperature=0)
+    assert story(2, temperature=0) == greedy == story(1, top_k=1) == story(2, top_k=1)
+    assert story(1) != story(2)
+
+
 def test_a_temperature_too_small_to_divide_by_is_refused(run_main, capsys):
     with pytest.raises(SystemExit):
         run_main(sample, "--temperature", "1e-40")
     assert "--temperature must be 0 (the likeliest token) or at least 0.001" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
+def test_a_seed_the_generators_cannot_take_is_refused(run_main, capsys, seed):
+    with pytest.raises(SystemExit):
+        run_main(sample, "--seed", seed)
+    assert "--seed must be 0 to 4294967295" in capsys.readouterr().err
 
 
 def test_an_empty_prompt_is_written_after_as_given(run_main, monkeypatch):

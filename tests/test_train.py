@@ -234,6 +234,25 @@ def test_resume_refuses_a_checkpoint_that_is_not_pretraining_s_own(workspace, wo
             pretrain(tmp_path, *CPU_FP32, "--resume")
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: c["optimizer"]["param_groups"].pop(), "holds an optimizer state that does not fit this run"),
+    (lambda c: c.update(numpy_random={"bit_generator": "PCG64", "state": 5}), "holds a random state that does not"),
+    (lambda c: c.update(torch_random=torch.zeros(3, dtype=torch.uint8)), "holds a random state that does not"),
+    (lambda c: c["made_by"].pop("seconds"), "does not say its step, seconds and schedule"),
+    (lambda c: c["made_by"]["settings"].update(minutes="60"), "does not say its step, seconds and schedule"),
+])
+def test_resume_refuses_a_damaged_checkpoint_in_one_line(damage, message, workspace, tmp_path, monkeypatch):
+    pretrain = four_steps_of_pretraining(workspace, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(tmp_path, *CPU_FP32, stop_after_step=2)
+    path = tmp_path / "checkpoints" / "pretrain" / "model.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    damage(checkpoint)
+    torch.save(checkpoint, path)
+    with pytest.raises(SystemExit, match=f"{message}.*; start without --resume"):
+        pretrain(tmp_path, *CPU_FP32, "--resume")
+
+
 def test_a_resumed_run_keeps_the_precision_it_started_with(workspace, tmp_path, monkeypatch):
     pretrain = four_steps_of_pretraining(workspace, monkeypatch)
     monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 2.1)
