@@ -154,8 +154,8 @@ def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False, advi
     if model.config.context != Config.context:
         raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
                          f"{Config.context}; {advice}")
-    # A token it could write past the tokenizer's would decode as nothing; one the tokenizer has past its
-    # vocabulary would fail in the embedding.
+    # A model of another vocabulary would write tokens the tokenizer cannot read, or be given ones it has no
+    # embedding for.
     if tokenizer is not None and model.config.vocab_size != tokenizer.vocab_size:
         raise SystemExit(f"{file} has a vocabulary of {model.config.vocab_size} tokens, where data/tokenizer.json "
                          f"has {tokenizer.vocab_size}; {advice}")

@@ -377,3 +377,17 @@ def test_too_few_instructions_are_refused_in_one_line_before_training(recorded_r
         recorded_run()
     assert "\n" not in str(refused.value)
     assert recorded_run.steps == [] and not list(Path("checkpoints", "finetune").glob("*.pt"))  # nor a model saved
+
+
+def test_fine_tuning_trains_on_its_training_split_and_measures_its_held_back_examples_and_valid_bin(
+        recorded_run, monkeypatch):
+    measured, plain = [], []
+    monkeypatch.setattr(finetune, "instruction_loss", lambda model, examples, *args: measured.append(examples) or 0.0)
+    monkeypatch.setattr(finetune, "valid_loss", lambda model, tokens, *args: plain.append(np.array(tokens)) or 0.0)
+    steps = recorded_run(steps_run=2)
+    training, held = finetune.split_held_back(read_instructions(limit=finetune.TUNE_POOL))
+    asked = {story for step in steps for story in step["stories"]}
+    assert asked and asked <= {e["story"] for e in training} and not asked & {e["story"] for e in held}
+    assert measured and all(len(examples) == finetune.HELD_BACK for examples in measured)
+    valid = np.array(train.load_tokens("valid"))
+    assert plain and all(np.array_equal(tokens, valid) for tokens in plain)

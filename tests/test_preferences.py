@@ -31,6 +31,9 @@ def test_asks_are_the_first_of_the_pool_whatever_the_file_holds(workspace, works
 def test_a_pair_needs_a_better_and_a_worse_story():
     assert preferences.pick_pair([1 / 3, 1 / 3, 1 / 3, 1 / 3]) is None
     assert preferences.pick_pair([0.0, 2 / 3, 1 / 3, 2 / 3]) == (1, 0)
+    # The first best and the first worst, wherever they lie.
+    for rewards in ([0, 1, 1 / 3, 2 / 3], [2 / 3, 0, 1, 1 / 3], [1 / 3, 2 / 3, 0, 2 / 3, 0], [1, 0, 0, 1 / 3]):
+        assert preferences.pick_pair(rewards) == (rewards.index(max(rewards)), rewards.index(min(rewards)))
 
 
 def test_pairs_never_tie(workspace, workspace_tokenizer, workspace_model):

@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 
@@ -107,6 +109,17 @@ def test_write_passes_its_temperature_and_top_k_on(small_model, small_tokenizer)
     greedy = story(1, temperature=0)
     assert story(2, temperature=0) == greedy == story(1, top_k=1) == story(2, top_k=1)
     assert story(1) != story(2)
+
+
+def test_the_command_line_s_options_reach_write(run_main, monkeypatch):
+    real_write, calls = sample.write, []
+    monkeypatch.setattr(sample, "write", lambda *args, **kwargs: calls.append(
+        inspect.signature(real_write).bind(*args, **kwargs)) or "")
+    run_main(sample, "--top-k", "7", "--seed", "5", "--temperature", "0.5", "--tokens", "9", "--device", "cpu")
+    (bound,) = calls
+    bound.apply_defaults()
+    got = {name: bound.arguments[name] for name in ("max_new_tokens", "temperature", "top_k", "seed")}
+    assert got == {"max_new_tokens": 9, "temperature": 0.5, "top_k": 7, "seed": 5}
 
 
 def test_a_temperature_too_small_to_divide_by_is_refused(run_main, capsys):

@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 
 import devices
+import distributed
 import finetune
 import launch
 import train
 from checkpoints import load_checkpoint, logged, save_checkpoint
 from model import GPT, TINY, Config
 from tokenizer import encode_prompt
+from test_finetune import tiny_pretrained_model_in
 from test_ppo import tiny_policy
 
 
@@ -85,11 +87,21 @@ def test_a_checkpoint_without_the_random_states_resumes_drawing_new_windows_from
     assert torch.equal(torch.get_rng_state(), torch_state)
 
 
-def test_measuring_the_valid_loss_leaves_a_training_model_in_training():
-    # Else pretraining would go on without dropout after its first validation.
-    model = GPT(Config(vocab_size=50, **TINY)).train()
-    train.valid_loss(model, np.arange(200, dtype=np.uint16) % 50, "cpu", windows=3, context=16)
+def test_the_valid_loss_of_a_training_model_is_measured_without_dropout_and_leaves_it_training():
+    # Dropout on would make the loss noisy and too high; left off, pretraining would go on
+    # without it after its first validation.
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=50, **TINY))
+    assert model.config.dropout > 0
+    tokens = np.random.default_rng(0).integers(0, 50, 400).astype(np.uint16)
+    in_training = train.valid_loss(model.train(), tokens, "cpu", windows=6, context=16)
     assert model.training
+    assert in_training == train.valid_loss(model.eval(), tokens, "cpu", windows=6, context=16)
+
+
+def test_the_optimizer_takes_the_recipe_s_betas():
+    optimizer = train.make_optimizer(GPT(Config(vocab_size=50, **TINY)))
+    assert [group["betas"] for group in optimizer.param_groups] == [train.BETAS] * len(optimizer.param_groups)
 
 
 def test_a_step_takes_its_gradients_clipped_to_a_norm_of_clip():
@@ -197,6 +209,59 @@ def four_steps_of_pretraining(workspace, monkeypatch):
         return torch.load(folder / "checkpoints" / "pretrain" / "model.pt", weights_only=True)
 
     return run
+
+
+def pretraining_in(folder, workspace, monkeypatch):
+    """A copy of the workspace's data in folder, made the current folder, for train.main()."""
+    shutil.copytree(workspace / "data", folder / "data")
+    launch.patch(monkeypatch.setattr, {})
+    monkeypatch.chdir(folder)
+
+
+def test_pretraining_learns_from_train_bin_measures_valid_bin_and_warms_up_from_its_first_step(
+        workspace, tmp_path, monkeypatch):
+    pretraining_in(tmp_path, workspace, monkeypatch)
+    train_tokens, valid_tokens = np.array(train.load_tokens("train")), np.array(train.load_tokens("valid"))
+    steps, measured, real_step, real_valid = [], [], train.train_step, train.valid_loss
+    monkeypatch.setattr(train, "train_step", lambda *args: steps.append(args) or real_step(*args))
+    monkeypatch.setattr(train, "valid_loss", lambda model, tokens, *args, **kwargs: measured.append(np.array(tokens))
+                        or real_valid(model, tokens, *args, **kwargs))
+    monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "3", *CPU_FP32])
+    train.main()
+    # The learning rate of each step by the schedule, the first a warmup's first: LR / WARMUP.
+    assert [args[6] for args in steps] == [pytest.approx(train.learning_rate(s, s / 3)) for s in range(3)]
+    assert steps[0][6] == pytest.approx(train.LR / train.WARMUP)
+    # Each row a window of train.bin, its targets the next tokens; the validation on valid.bin.
+    windows = np.lib.stride_tricks.sliding_window_view(train_tokens, train.CONTEXT + 1)
+    for x, y in (args[2:4] for args in steps):
+        for row in torch.cat([x, y[:, -1:]], dim=1).numpy():
+            assert (windows == row).all(axis=1).any()
+    assert measured and all(np.array_equal(tokens, valid_tokens) for tokens in measured)
+
+
+@pytest.mark.parametrize("script, options", [(train, []), (finetune, []), (finetune, ["--first-use-weight", "10"])])
+def test_micro_batch_reaches_the_training_step(script, options, workspace, tmp_path, monkeypatch):
+    # 16 rows a step, 3 at a time: five pieces of 3 and one of 1, the memory a piece needs.
+    if script is train:
+        pretraining_in(tmp_path, workspace, monkeypatch)
+    else:
+        tiny_pretrained_model_in(tmp_path, workspace, monkeypatch)
+        launch.patch(monkeypatch.setattr, {})
+        monkeypatch.setattr(finetune, "MAX_LENGTH", 64)
+    real_pieces, pieces = distributed.pieces, []
+
+    def recorded(model, counted, micro_batch):
+        sizes = []
+        pieces.append(sizes)
+        for rows, share, syncing in real_pieces(model, counted, micro_batch):
+            sizes.append(len(counted[rows]))
+            yield rows, share, syncing
+
+    monkeypatch.setattr(distributed, "pieces", recorded)
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--steps", "1", "--micro-batch", "3", *options,
+                                      *CPU_FP32])
+    script.main()
+    assert pieces == [[3, 3, 3, 3, 3, 1]]
 
 
 def test_a_run_stopped_and_resumed_trains_the_model_an_uninterrupted_run_trains(workspace, tmp_path, monkeypatch):
