@@ -55,7 +55,6 @@ TRAIN_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main
 VALID_URL = "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-valid.txt"
 SEPARATOR = bpe.END_OF_TEXT
 SEED = 1337  # the series' seed: every later script's draws start from it
-SEEDS = 2 ** 32  # every --seed is below it: torch's and NumPy's generators take it, and PPO's seed * 100,000 too
 HELDOUT = Path(__file__).resolve().parent / "heldout.json"  # committed: the evaluation set
 HELD_OUT = 50  # instructions, three words each: 150 words, the evaluation set forever
 HELD_OUT_VERSION = 1  # a new set gets a new version, never silently

@@ -19,7 +19,8 @@ import torch
 
 import distributed
 from checkpoints import CHECKPOINTS, checkpoint_file, model_from, must_load, read_checkpoint, save_checkpoint
-from data import SEED, SEEDS
+from data import SEED
+from train import check_seed
 
 EVAL_EVERY = 10  # rollouts
 AFRESH = "start the run without --resume"  # the advice of every line that refuses a resume
@@ -50,8 +51,7 @@ def parse_rl_args(parser):
         parser.error("--lr must be a positive number")
     if args.rollouts < 1:
         parser.error("--rollouts must be at least 1")
-    if not 0 <= args.seed < SEEDS:
-        parser.error(f"--seed must be 0 to {SEEDS - 1}")
+    check_seed(parser, args.seed)
     return args
 
 

@@ -34,10 +34,11 @@ import torch.nn.functional as F
 
 import distributed
 from checkpoints import CHECKPOINTS, load_checkpoint
-from data import SEEDS, instruction
+from data import instruction
 from devices import pick_device
 from kernels import cache_block
 from tokenizer import encode_prompt, load_tokenizer
+from train import check_seed
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes
@@ -339,8 +340,7 @@ def main():
         parser.error(f"--temperature must be 0 (the likeliest token) or at least {MIN_TEMPERATURE:g}")
     if (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
         parser.error("--top-k and --tokens must be at least 1")
-    if not 0 <= args.seed < SEEDS:
-        parser.error(f"--seed must be 0 to {SEEDS - 1}")
+    check_seed(parser, args.seed)
     if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
     distributed.one_process()

@@ -40,7 +40,7 @@ import torch
 import distributed
 from checkpoints import (CHECKPOINTS, RUNS, model_from, must_load, read_checkpoint, run_settings, run_writer,
                          save_checkpoint)
-from data import SEED, SEEDS
+from data import SEED
 from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable, require
 from model import GPT, Config
@@ -71,12 +71,18 @@ def training_parser(description, minutes, precision=None, steps=None):
     return parser
 
 
+def check_seed(parser, seed):
+    """Stops with one line unless --seed is one that torch's and NumPy's generators take, as
+    they take PPO's and GRPO's seed * 100,000 + rollout too: 0 to 2**32 - 1."""
+    if not 0 <= seed < 2 ** 32:
+        parser.error(f"--seed must be 0 to {2 ** 32 - 1}")
+
+
 def parse_training_args(parser):
     args = parser.parse_args()
     if not 0 < args.minutes < math.inf or (args.steps is not None and args.steps <= 0):
         parser.error("--minutes and --steps must be positive (and --minutes a number)")
-    if not 0 <= vars(args).get("seed", 0) < SEEDS:  # finetune.py and dpo.py add --seed
-        parser.error(f"--seed must be 0 to {SEEDS - 1}")
+    check_seed(parser, vars(args).get("seed", 0))  # finetune.py and dpo.py add --seed
     if vars(args).get("micro_batch") is not None and args.micro_batch < 1:  # train.py and finetune.py add it
         parser.error("--micro-batch must be 1 or more")
     return args
