@@ -396,6 +396,13 @@ def make_tokens(out):
     return f"{train:,} train and {valid:,} valid tokens"
 
 
+def check_seed(parser, seed):
+    """Stops with one line unless --seed is one that torch's and NumPy's generators take, as
+    they take PPO's and GRPO's seed * 100,000 + rollout too: 0 to 2**32 - 1."""
+    if not 0 <= seed < 2 ** 32:
+        parser.error(f"--seed must be 0 to {2 ** 32 - 1}")
+
+
 def main():
     parser = argparse.ArgumentParser(description="Prepare TinyStories: stories, instructions, tokenizer, tokens.")
     parser.add_argument("--source", help="a local .txt/.txt.gz file or folder, instead of downloading")

@@ -19,8 +19,7 @@ import torch
 
 import distributed
 from checkpoints import CHECKPOINTS, checkpoint_file, model_from, must_load, read_checkpoint, save_checkpoint
-from data import SEED
-from train import check_seed
+from data import SEED, check_seed
 
 EVAL_EVERY = 10  # rollouts
 AFRESH = "start the run without --resume"  # the advice of every line that refuses a resume

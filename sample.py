@@ -34,11 +34,10 @@ import torch.nn.functional as F
 
 import distributed
 from checkpoints import CHECKPOINTS, load_checkpoint
-from data import instruction
+from data import check_seed, instruction
 from devices import pick_device
 from kernels import cache_block
 from tokenizer import encode_prompt, load_tokenizer
-from train import check_seed
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes

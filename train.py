@@ -40,7 +40,7 @@ import torch
 import distributed
 from checkpoints import (CHECKPOINTS, RUNS, model_from, must_load, read_checkpoint, run_settings, run_writer,
                          save_checkpoint)
-from data import SEED
+from data import SEED, check_seed
 from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable, require
 from model import GPT, Config
@@ -69,13 +69,6 @@ def training_parser(description, minutes, precision=None, steps=None):
     parser.add_argument("--precision", choices=["fp32", "bf16"], default=precision,
                         help=f"default: {precision or 'bf16 where it is faster'}")
     return parser
-
-
-def check_seed(parser, seed):
-    """Stops with one line unless --seed is one that torch's and NumPy's generators take, as
-    they take PPO's and GRPO's seed * 100,000 + rollout too: 0 to 2**32 - 1."""
-    if not 0 <= seed < 2 ** 32:
-        parser.error(f"--seed must be 0 to {2 ** 32 - 1}")
 
 
 def parse_training_args(parser):
