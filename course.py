@@ -189,6 +189,7 @@ def read_record():
 
 
 def recorded(made):
+    """Whether a step of the record holds its command and its minutes (None, or a number)."""
     return (isinstance(made, dict) and isinstance(made.get("command"), str)
             and "minutes" in made and (made["minutes"] is None or isinstance(made["minutes"], (int, float))))
 

@@ -397,8 +397,9 @@ def make_tokens(out):
 
 
 def check_seed(parser, seed):
-    """Stops with one line unless --seed is one that torch's and NumPy's generators take, as
-    they take PPO's and GRPO's seed * 100,000 + rollout too: 0 to 2**32 - 1."""
+    """Stops with one line unless --seed is 0 to 2**32 - 1, the seeds of 32 bits that NumPy's
+    older generators take too: far enough inside torch's 2**64 for PPO's and GRPO's seed *
+    100,000 + rollout, where a larger seed would stop a run at its first rollout."""
     if not 0 <= seed < 2 ** 32:
         parser.error(f"--seed must be 0 to {2 ** 32 - 1}")
 

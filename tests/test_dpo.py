@@ -157,7 +157,7 @@ def test_each_pass_takes_every_pair_once_in_a_new_order_and_the_last_model_is_me
 
 
 @pytest.mark.parametrize("script", [dpo, finetune])
-@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])  # torch's generators take none past 2**64, nor NumPy's old ones past 2**32
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])  # past 32 bits: data.check_seed says why
 def test_a_seed_out_of_range_gets_one_line_before_anything_is_read(script, seed, workspace, run_main, capsys):
     with pytest.raises(SystemExit):
         run_main(script, "--seed", seed)

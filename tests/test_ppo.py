@@ -391,7 +391,8 @@ def test_each_token_s_advantage_is_the_reward_less_the_critic_s_guess_at_that_to
     # channels, before whitening.
     quick(ppo)
     seen, modules, checked = {}, [], []
-    real_logprobs, real_rollout, real_whiten, real_wrap = ppo.token_logprobs, ppo.rollout, ppo.whiten, ppo.distributed.wrap
+    real_logprobs, real_rollout, real_whiten = ppo.token_logprobs, ppo.rollout, ppo.whiten
+    real_wrap = ppo.distributed.wrap
 
     def keeping_channels(model, x, y, hidden=False):
         out = real_logprobs(model, x, y, hidden=hidden)

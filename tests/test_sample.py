@@ -129,7 +129,7 @@ def test_a_temperature_too_small_to_divide_by_is_refused(run_main, capsys):
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
-def test_a_seed_the_generators_cannot_take_is_refused(run_main, capsys, seed):
+def test_a_seed_out_of_range_is_refused(run_main, capsys, seed):
     with pytest.raises(SystemExit):
         run_main(sample, "--seed", seed)
     assert "--seed must be 0 to 4294967295" in capsys.readouterr().err
