@@ -126,6 +126,36 @@ def resumable(made_by):
             and "steps" in settings and isinstance(settings["steps"], (int, type(None))))
 
 
+def resume(folder, args, device, tokenizer, rng):
+    """The run in folder, to go on from: its model, its optimizer, the step and seconds where
+    it stopped, and its precision. args takes the schedule the run started with (its --minutes
+    and --steps), and rng the windows it would have drawn next."""
+    checkpoint = read_checkpoint(folder)
+    made_by, fresh = checkpoint["made_by"], "start without --resume"
+    # Pretraining's own checkpoint, with its optimizer's state (a final or copied model has none).
+    if made_by.get("script") != "train.py" or "optimizer" not in checkpoint:
+        raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; {fresh}")
+    if not resumable(made_by):
+        raise SystemExit(f"{folder} does not say its step, seconds and schedule; {fresh}")
+    model = model_from(checkpoint, folder, device, tokenizer)
+    optimizer = make_optimizer(model)
+    must_load(folder, "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]), fresh)
+    step, elapsed = made_by["step"], made_by["seconds"]
+    # The schedule is the one the run started with, whatever the command line says now.
+    schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]
+    if (args.minutes, args.steps) != schedule:
+        limit = f"at most {schedule[1]} steps" if schedule[1] else "no limit on steps"
+        print(f"a resumed run keeps its schedule, {schedule[0]:g} minutes and {limit}: "
+              "the --minutes and --steps of this command are not used")
+    args.minutes, args.steps = schedule
+    # And its precision, on a device of the kind it started on: picked again, the CPU's
+    # timing could choose the other one and train another model.
+    precision = args.precision or resumed_precision(made_by["settings"], device)
+    print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
+    must_load(folder, "a random state", lambda: resume_draws(checkpoint, rng, step), fresh)
+    return model, optimizer, step, elapsed, precision
+
+
 def resume_draws(checkpoint, rng, step):
     """A resumed run draws the windows the run would have drawn had it not stopped, and in one
     process the same dropout masks too: the random states its checkpoint kept. (Under
@@ -246,35 +276,11 @@ def main():
     # A new model, or the last checkpoint with its optimizer, step and time so far. (Under
     # torchrun, each process its own seed for its dropout; DDP gives them all rank 0's weights.)
     torch.manual_seed(distributed.seed(SEED))
-    step, elapsed = 0, 0.0
     rng = np.random.default_rng(SEED)  # the windows' draws
     if args.resume:
-        checkpoint = read_checkpoint(folder)
-        made_by = checkpoint["made_by"]
-        # Pretraining's own checkpoint, with its optimizer's state (a final or copied model has none).
-        if made_by.get("script") != "train.py" or "optimizer" not in checkpoint:
-            raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; "
-                             "start without --resume")
-        if not resumable(made_by):
-            raise SystemExit(f"{folder} does not say its step, seconds and schedule; start without --resume")
-        model = model_from(checkpoint, folder, device, tokenizer)
-        optimizer = make_optimizer(model)
-        must_load(folder, "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]),
-                  "start without --resume")
-        step, elapsed = made_by["step"], made_by["seconds"]
-        # The schedule is the one the run started with, whatever the command line says now.
-        schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]
-        if (args.minutes, args.steps) != schedule:
-            limit = f"at most {schedule[1]} steps" if schedule[1] else "no limit on steps"
-            print(f"a resumed run keeps its schedule, {schedule[0]:g} minutes and {limit}: "
-                  "the --minutes and --steps of this command are not used")
-        args.minutes, args.steps = schedule
-        # And its precision, on a device of the kind it started on: picked again, the CPU's
-        # timing could choose the other one and train another model.
-        precision = args.precision or resumed_precision(made_by["settings"], device)
-        print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
-        must_load(folder, "a random state", lambda: resume_draws(checkpoint, rng, step), "start without --resume")
+        model, optimizer, step, elapsed, precision = resume(folder, args, device, tokenizer, rng)
     else:
+        step, elapsed = 0, 0.0
         precision = args.precision or default_precision(device)
         model = GPT(Config(vocab_size=tokenizer.vocab_size)).to(device)
         optimizer = make_optimizer(model)
