@@ -46,7 +46,7 @@ import distributed
 from checkpoints import RUNS, checkpoint_file, model_from, read_checkpoint
 from data import HELDOUT, WORD, read_heldout
 from devices import pick_device
-from files import atomic
+from files import atomic, check_writable
 from sample import MAX_NEW_TOKENS, write_stories
 from tokenizer import load_tokenizer
 from train import load_tokens, valid_loss
@@ -192,6 +192,7 @@ def main():
     if args.seeds < 1 or (args.valid_windows is not None and args.valid_windows < 1):
         parser.error("--seeds and --valid-windows must be at least 1 (or --valid-windows all)")
     distributed.one_process()
+    check_writable(RUNS / "evaluate")  # now, not after the first model's stories are written
 
     device = pick_device(args.device)
     tokenizer = load_tokenizer()

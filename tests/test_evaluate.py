@@ -1,5 +1,7 @@
+import errno
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -282,6 +284,23 @@ def test_no_windows_or_no_seeds_get_one_line(args, run_main, monkeypatch, capsys
     with pytest.raises(SystemExit):
         run_main(evaluate, "checkpoints/finetune", *args)
     assert "error: --seeds and --valid-windows must be at least 1 (or --valid-windows all)" in capsys.readouterr().err
+
+
+def test_a_results_folder_that_cannot_be_written_is_refused_before_any_story_is_written(workspace, tmp_path,
+                                                                                      monkeypatch):
+    # A full disk under runs/evaluate: one line at the start, not after a model's minutes of stories.
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    shutil.copytree(workspace / "checkpoints" / "finetune", tmp_path / "checkpoints" / "finetune")
+    monkeypatch.setattr(evaluate, "write_stories", lambda *args, **kwargs: pytest.fail("it measured first"))
+
+    def full(fd):  # a full disk may refuse the bytes only when they are written out
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "checkpoints/finetune", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="no space left on the disk for .*evaluate"):
+        evaluate.main()
 
 
 def test_results_cut_off_while_being_written_leave_the_earlier_results_whole(workspace, tmp_path, monkeypatch):
