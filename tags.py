@@ -19,7 +19,14 @@ HEADER = "tag\tcommit subject"
 
 
 def git(*args):
-    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+    """What a git command prints; a git that fails, or is not there, stops tags.py with one line."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise SystemExit("tags.py: git is not installed, or not on the PATH; install it, then run tags.py again")
+    except subprocess.CalledProcessError as error:
+        said = error.stderr.strip().splitlines() or [f"exit status {error.returncode}"]
+        raise SystemExit(f"tags.py: git {args[0]} failed: {said[-1]}")
 
 
 def read_steps(path=STEPS):

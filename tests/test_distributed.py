@@ -404,3 +404,67 @@ def test_the_first_process_of_each_machine_says_why_the_run_is_refused(monkeypat
         with pytest.raises(SystemExit) as stopped:
             distributed.refuse("why")
         assert stopped.value.code == code
+
+
+def test_torchrun_on_apple_s_gpu_is_refused_in_one_line_before_the_processes_join(monkeypatch):
+    # torch has no backend to join processes on mps: gloo there would fail later, with a traceback.
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("mps"))
+    joined = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kwargs: joined.append(backend))
+    with pytest.raises(SystemExit) as stopped:
+        distributed.setup("mps", 16, "windows of a batch")
+    assert stopped.value.code == ("torchrun on mps: torch has no backend to join processes on Apple's GPUs; run one "
+                                  "process (python train.py), or several on the CPU (--device cpu)")
+    assert joined == []
+
+
+def test_a_device_the_machine_lacks_is_said_once_by_the_first_process_of_the_machine(monkeypatch):
+    # --device cuda on a machine without one: each process finds it so, and torchrun would show
+    # the same line once per process, if each said it.
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: None)
+
+    def no_cuda(name):
+        raise SystemExit("--device cuda: this machine (or its build of torch) has no cuda")
+
+    monkeypatch.setattr(distributed, "pick_device", no_cuda)
+    for local_rank, code in (("0", "--device cuda: this machine (or its build of torch) has no cuda"), ("1", 1)):
+        for name, value in {"RANK": local_rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as stopped:
+            distributed.setup("cuda", 16, "instructions")
+        assert stopped.value.code == code
+
+
+def test_the_processes_of_every_machine_together_must_split_the_batch(monkeypatch):
+    # Three machines of two processes: two divide 16, six do not, and each process would take
+    # 2 or 3 rows, which gather() can't join. Refused before any process joins the others.
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match="^6 processes can't take equal shares of the 16 instructions"):
+        distributed.setup("cpu", 16, "instructions")
+    assert not torch.distributed.is_initialized()
+
+
+def test_two_processes_wait_for_each_other_at_a_barrier(monkeypatch):
+    # Rank 1 must not read a checkpoint, or go on, before rank 0 has saved it: two processes are
+    # enough to need the barrier. One process has no group to wait in.
+    waited = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: waited.append(distributed.world()))
+    for processes in (1, 2, 4):
+        monkeypatch.setattr(distributed, "world", lambda: processes)
+        distributed.barrier()
+    assert waited == [2, 4]
+
+
+def test_a_rank_alone_in_the_environment_is_not_taken_for_torchrun(monkeypatch):
+    # torchrun sets RANK and WORLD_SIZE together: a RANK left in a learner's shell by another
+    # tool must not make python train.py read a WORLD_SIZE that is not there.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not distributed.under_torchrun()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.under_torchrun()

@@ -163,3 +163,20 @@ def test_an_annotated_name_comes_as_a_constant_does(tmp_path):
                                         "LIMIT: int = 3\n")
     assert shown(tmp_path, "Config.context") == "# Positions.\ncontext: int = 256"
     assert shown(tmp_path, "LIMIT") == "LIMIT: int = 3"
+
+
+def test_a_file_that_is_not_there_stops_the_build_naming_the_page(root):
+    # A page that points at a script renamed or removed: mkdocs words a PluginError in one line,
+    # with the page and its directive, where a FileNotFoundError would be a traceback.
+    with pytest.raises(PluginError, match="^page: no file gone.py$"):
+        hooks.excerpt(root, "gone.py", ["ONE"], "page")
+
+
+def test_mkdocs_serve_rebuilds_when_a_script_or_the_course_s_report_changes(report_root):
+    # A new run of course.py rewrites results/README.md: the pages that show its tables follow.
+    (report_root / "script.py").write_text(SCRIPT)
+    watched = []
+    server = SimpleNamespace(watch=watched.append)
+    config = SimpleNamespace(config_file_path=str(report_root / "mkdocs.yml"))
+    assert hooks.on_serve(server, config, None) is server
+    assert watched == [str(report_root / "script.py"), str(report_root / "results" / "README.md")]

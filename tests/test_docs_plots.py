@@ -2,6 +2,7 @@
 RL runs: the table's means are over the rollouts a run has (its first and last five), a
 panel draws each seed's run thin and the seeds' mean over the steps they all have on top, a
 figure drawn only when named is drawn when named, and a figure is written whole."""
+import json
 import sys
 from pathlib import Path
 
@@ -190,3 +191,91 @@ def test_the_course_s_figures_with_no_runs_at_all_each_say_so(tmp_path, monkeypa
     out = capsys.readouterr().out
     assert all(f"nothing logged for {file} in runs/" in out for file in plots.COURSE_FIGURES)
     assert not any((tmp_path / "img").iterdir())
+
+
+def write_result(folder, name, result):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(result))
+
+
+def test_the_fine_tuning_curves_start_at_the_pretrained_model_and_span_the_seeds(tmp_path, monkeypatch):
+    # Each recipe's points are its kept steps, after the pretrained model at step 0; the words
+    # used are the seeds' mean with a bar from the lowest seed to the highest; the probe's point
+    # only where the probe ran; a recipe with no step measured is left out, not a lone point.
+    seeds = {0: [0.1, 0.2, 0.6], 100: [0.3, 0.3, 0.9], 200: [0.5, 0.6, 1.0], 300: [0.4, 0.5, 1.0]}  # 3 seeds
+    losses = {0: 2.0, 100: 1.8, 200: 1.9, 300: 1.95}
+    for step in seeds:
+        write_result(tmp_path / "evaluate", "pretrain" if step == 0 else f"finetune-step-{step}",
+                     {"words_used_by_seed": seeds[step], "valid_loss": losses[step]})
+    write_result(tmp_path / "probe", "finetune-step-200", {"instruction_moves": 1.5})
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda figure, file: figures.append(figure))
+    plots.finetune_curves({"finetune": "default recipe", "finetune-swap-1": "--swap 1"}, "x.png")
+    words, probe, loss = figures[0].axes
+    means, bars = words.containers[0][0], words.containers[0][2][0].get_segments()
+    assert list(means.get_xdata()) == [0, 100, 200, 300]
+    assert list(means.get_ydata()) == pytest.approx([sum(s) / len(s) for s in seeds.values()])
+    assert [y for bar in bars for y in (bar[0][1], bar[1][1])] == pytest.approx(
+        [y for s in seeds.values() for y in (min(s), max(s))])
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in probe.get_lines()] == [([200], [1.5])]
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in loss.get_lines()] == [
+        (list(losses), list(losses.values()))]
+    assert [text.get_text() for text in words.get_legend().get_texts()] == ["default recipe"]
+    matplotlib.pyplot.close(figures[0])
+
+
+def test_the_docs_plots_by_default_leave_out_the_figures_drawn_only_when_named(tmp_path, monkeypatch):
+    # python docs/plots.py: the RL runs' figures, against rollouts, and the fine-tuning recipes';
+    # not the step 11 figures, whose runs share these folders.
+    run = tmp_path / "runs" / "grpo" / "kl-0.05"
+    for tag in ("rollout/reward", "rollout/kl", "words/heldout"):
+        log_points(run, tag, [0.2, 0.3])
+    for name in ("pretrain", "finetune-step-100"):
+        write_result(tmp_path / "runs" / "evaluate", name, {"words_used_by_seed": [0.2], "valid_loss": 2.0})
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    saved = {}
+    monkeypatch.setattr(plots, "save", lambda figure, file: saved.setdefault(file, figure))
+    monkeypatch.setattr(sys, "argv", ["plots.py"])
+    plots.main()
+    assert sorted(saved) == ["finetune-recipes.png", "rl-heldout.png", "rl-kl.png", "rl-reward.png"]
+    assert saved["rl-reward.png"].axes[0].get_xlabel() == "rollout"
+    for figure in saved.values():
+        matplotlib.pyplot.close(figure)
+
+
+def test_a_figure_name_that_is_not_one_of_the_docs_is_refused(tmp_path, monkeypatch, capsys):
+    # A misspelt name would otherwise draw nothing, and say nothing of it.
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", "rl-rewards.png"])
+    with pytest.raises(SystemExit):
+        plots.main()
+    assert "no figure named rl-rewards.png" in capsys.readouterr().err
+
+
+def test_a_course_figure_named_is_drawn_alone_from_each_training_seed(tmp_path, monkeypatch):
+    # Naming a figure leaves the others as they are; --seeds 2 takes each run's second seed too.
+    for run in ("pretrain", "dpo", "dpo-seed-2", "dpo-seed-3"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    drawn = []
+    monkeypatch.setattr(plots, "panels", lambda file, title, panels_of, groups: drawn.append((file, groups)))
+    monkeypatch.setattr(sys, "argv", ["plots.py", "course-dpo.png", "--seeds", "2"])
+    plots.main()
+    assert [(file, [runs for _, _, runs in groups]) for file, groups in drawn] == [
+        ("course-dpo.png", [["dpo", "dpo-seed-2"]])]
+
+
+@pytest.mark.parametrize("content, error", [(b'{"words_used_by_seed": [0.2]}', "lacks words_used_by_seed, valid_loss"),
+                                            (b'{"words_used_by_seed": [0.2\xff', r"is damaged \(UnicodeDecodeError\)")])
+def test_a_result_with_a_figure_missing_or_bytes_that_are_not_text_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                         content, error):
+    # An older or damaged result would otherwise stop the plots with a traceback (KeyError, UnicodeDecodeError).
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "finetune-step-200.json").write_bytes(content)
+    monkeypatch.setattr(plots, "RUNS", tmp_path)
+    with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
+        list(plots.measured("finetune"))

@@ -216,3 +216,48 @@ def test_a_file_the_save_cannot_read_keeps_its_own_error(tmp_path):
     with pytest.raises(SystemExit, match="cannot write in"):  # the temporary file's own refusal: one line
         with files.atomic(tmp_path / "out.txt") as tmp:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp))
+
+
+def test_a_save_removes_what_a_killed_save_of_the_same_file_left_beside_it(tmp_path):
+    # data.py saves into data/ with no check_writable first: a killed run's .train.txt.PID.tmp
+    # (up to gigabytes) goes with the next save of train.txt, while another run's save still writing stays.
+    stale, running = tmp_path / ".train.txt.99999.tmp", tmp_path / ".train.txt.88888.tmp"
+    stale.write_bytes(b"half of the stories, from a run killed yesterday")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    running.write_bytes(b"a save that another run is writing now")
+    with files.atomic(tmp_path / "train.txt") as tmp:
+        tmp.write_bytes(b"the stories")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, "train.txt"])
+
+
+def test_a_file_already_downloaded_is_not_downloaded_again(server, tmp_path):
+    # data.py fetches at each run: a finished download (2 GB of train stories) is used as it is.
+    path = tmp_path / "train.txt"
+    files.fetch(server.url, path)
+    assert files.fetch(server.url, path) == path
+    assert server.ranges == [None]  # one request, the first run's
+    assert path.read_bytes() == server.content
+
+
+def test_a_byte_damaged_past_a_file_s_first_megabyte_changes_what_the_manifest_holds(tmp_path):
+    # A token file is a gigabyte, read a megabyte at a time: damage anywhere in it, at its own
+    # size, must make data.py's step run again, not only damage in its first megabyte.
+    path = tmp_path / "train.bin"
+    content = bytearray(3 << 20)
+    path.write_bytes(content)
+    before = files.outputs_of([path])
+    content[(5 << 20) // 2] ^= 1
+    path.write_bytes(content)
+    after = files.outputs_of([path])
+    assert after["train.bin"][0] == before["train.bin"][0] and after != before
+
+
+def test_a_manifest_with_one_damaged_step_is_read_as_no_manifest(tmp_path):
+    # Every step runs again, and every file is read as it is, rather than the damaged step
+    # stopping data.py, or a script that checks a file against it, with a traceback.
+    good = '{"inputs": {}, "outputs": {"train.bin": [10, "0123456789abcdef"]}}'
+    (tmp_path / "manifest.json").write_text(f'{{"tokens": {good}, "instructions": {{"outputs": []}}}}')
+    assert files.read_manifest(tmp_path) == {}
+    (tmp_path / "instructions.jsonl").write_text("{}\n")
+    files.check_made(tmp_path / "instructions.jsonl")  # nothing to check it against

@@ -115,6 +115,7 @@ def test_a_subject_on_two_commits_is_refused(tmp_path, monkeypatch):
      "steps.tsv, line 3: ep1-1-a is already on an earlier line"),
     ("ep1-1-a\tEpisode 1, step 1: a\n", "steps.tsv, line 1: expected the header: tag, a tab, commit subject"),
     ("tag\tcommit subject\nep1-1-a\t\n", "steps.tsv, line 2: expected a tag, a tab and a commit subject"),
+    ("", "steps.tsv, line 1: expected the header: tag, a tab, commit subject"),  # emptied, not a traceback
 ])
 def test_a_table_out_of_shape_is_refused_in_one_line(tmp_path, text, error):
     table = tmp_path / "steps.tsv"
@@ -161,3 +162,34 @@ def test_a_row_in_doubt_leaves_no_tag_at_all(tmp_path):
     made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
     assert made.returncode != 0 and "ep1-2-b: no commit" in made.stderr
     assert git(tmp_path, "tag", "--list") == ""
+
+
+@needs_git
+def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path):
+    # --check only looks: a learner who checks first still gets the tags from python tags.py, and
+    # a --check alone leaves the clone's tags as they were.
+    git(tmp_path, "init", "--quiet")
+    shutil.copy(tags.ROOT / "tags.py", tmp_path / "tags.py")
+    (tmp_path / "steps.tsv").write_text("tag\tcommit subject\nep1-1-a\tEpisode 1, step 1: a\n", encoding="utf-8")
+    commit(tmp_path, "Episode 1, step 1: a")
+    checked = subprocess.run([sys.executable, "tags.py", "--check"], cwd=tmp_path, capture_output=True, text=True)
+    assert checked.returncode == 0 and "1 steps found" in checked.stdout
+    assert git(tmp_path, "tag", "--list") == ""
+    made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert made.returncode == 0 and "1 steps tagged" in made.stdout
+    assert git(tmp_path, "tag", "--list") == "ep1-1-a\n"
+
+
+@needs_git
+def test_a_tag_git_refuses_to_make_stops_tags_py_in_one_line(tmp_path):
+    # The learner's own tag ep1 leaves no room for ep1/1-a (git keeps tags as paths): tags.py
+    # must fail with git's reason in one line, not a traceback, and not print that every step is tagged.
+    git(tmp_path, "init", "--quiet")
+    shutil.copy(tags.ROOT / "tags.py", tmp_path / "tags.py")
+    (tmp_path / "steps.tsv").write_text("tag\tcommit subject\nep1/1-a\tEpisode 1, step 1: a\n", encoding="utf-8")
+    commit(tmp_path, "Episode 1, step 1: a")
+    git(tmp_path, "tag", "ep1")
+    made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert made.returncode != 0 and "steps tagged" not in made.stdout
+    assert made.stderr.startswith("tags.py: git tag failed: ") and made.stderr.count("\n") == 1  # one line
+    assert git(tmp_path, "tag", "--list") == "ep1\n"
