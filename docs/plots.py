@@ -294,11 +294,15 @@ def main():
     unknown = sorted(set(files) - set(drawn))
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(drawn)}")
-    IMAGES.mkdir(exist_ok=True)
-    if (args.course or set(files) & set(COURSE_FIGURES)) and set(files) - set(COURSE_FIGURES):
+    course = args.course or bool(set(files) & set(COURSE_FIGURES))
+    if course and set(files) - set(COURSE_FIGURES):
         parser.error(f"the course's figures ({', '.join(COURSE_FIGURES)}) are drawn apart from the others: "
                      "name them in a command of their own")
-    if args.course or set(files) & set(COURSE_FIGURES):
+    # Only the course's runs have training seeds under runs/; a --seeds given elsewhere would change nothing.
+    if args.seeds < 1 or (args.seeds > 1 and not course):
+        parser.error("--seeds must be at least 1, and goes with the course's figures (--course, or one of them named)")
+    IMAGES.mkdir(exist_ok=True)
+    if course:
         course_figures(files or COURSE_FIGURES, args.seeds)
         return
     for file, title, ylabel, tag, runs in COMPARISONS:

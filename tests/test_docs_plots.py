@@ -279,3 +279,17 @@ def test_a_result_with_a_figure_missing_or_bytes_that_are_not_text_is_refused_in
     monkeypatch.setattr(plots, "RUNS", tmp_path)
     with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
         list(plots.measured("finetune"))
+
+
+@pytest.mark.parametrize("args", [["--seeds", "3"], ["rl-reward.png", "--seeds", "2"], ["--course", "--seeds", "0"]])
+def test_seeds_outside_the_course_s_figures_get_one_line(args, tmp_path, monkeypatch, capsys):
+    # Only the course's runs have training seeds: --seeds 3 for the other figures would draw one
+    # seed each and say nothing, and --seeds 0 would draw no run at all.
+    monkeypatch.setattr(plots, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(plots, "IMAGES", tmp_path / "img")
+    monkeypatch.setattr(sys, "argv", ["plots.py", *args])
+    with pytest.raises(SystemExit):
+        plots.main()
+    assert "--seeds must be at least 1, and goes with the course's figures" in capsys.readouterr().err
+    assert not (tmp_path / "img").exists()
+
