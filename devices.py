@@ -32,7 +32,8 @@ def chosen_device(name):
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
         raise SystemExit(f"--device {name}: not a device the series runs on; use cpu, cuda or mps")
-    available = {"cpu": lambda: True, "mps": torch.backends.mps.is_available,
+    # A Mac has one GPU: mps:0 at most.
+    available = {"cpu": lambda: True, "mps": lambda: torch.backends.mps.is_available() and (device.index or 0) == 0,
                  "cuda": lambda: (device.index or 0) < torch.cuda.device_count()}
     if not available[device.type]():
         raise SystemExit(f"--device {name}: this machine (or its build of torch) has no {name}")

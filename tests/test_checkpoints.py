@@ -290,3 +290,34 @@ def test_a_missing_checkpoint_directly_under_checkpoints_names_no_script(tmp_pat
     with pytest.raises(SystemExit, match=r"^no checkpoint at .*checkpoints[/\\]\w+\.pt: make it with the script that "
                                          r"writes it$"):
         load_checkpoint(tmp_path / path)
+
+
+def test_a_checkpoint_loads_onto_the_device_it_is_asked_for(small_model, small_tokenizer, tmp_path):
+    # The scripts load their model onto the GPU they train on: weights left on the CPU would meet
+    # the GPU's tokens in the first forward pass. torch's meta device stands in for a GPU here.
+    save_checkpoint(tmp_path / "model.pt", small_model, small_tokenizer, {"script": "test"})
+    model = load_checkpoint(tmp_path / "model.pt", torch.device("meta"), small_tokenizer, quiet=True)
+    assert {weight.device.type for weight in model.state_dict().values()} == {"meta"}
+
+
+def test_weights_that_do_not_fit_are_refused_with_what_does_not_fit(small_model, small_tokenizer, tmp_path):
+    # torch's first line only names the class; the line after it says which weights, and how.
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, small_model, small_tokenizer, {"script": "test"})
+    checkpoint = torch.load(path, weights_only=True)
+    for config, reason in (({"n_embd": 64}, "size mismatch for"), ({"n_layer": 40}, "Missing key")):
+        torch.save({**checkpoint, "config": {**checkpoint["config"], **config}}, path)
+        with pytest.raises(SystemExit, match=f"does not match the model it describes \\(\\s*{reason}"):
+            load_checkpoint(path)
+
+
+def test_an_earlier_run_s_log_is_kept_under_the_time_that_run_last_wrote(tmp_path):
+    # The folder's name tells the runs apart in TensorBoard: when the earlier run ended, not
+    # when the new one began.
+    run = tmp_path / "runs" / "grpo" / "kl-0.05"
+    write_points(run, False, {0: 1.0})
+    [events] = run.iterdir()
+    last_written = time.mktime((2024, 3, 5, 14, 7, 9, 0, 0, -1))
+    os.utime(events, (last_written, last_written))
+    write_points(run, False, {0: 2.0})
+    assert (run / "earlier-2024-03-05-140709" / events.name).exists()

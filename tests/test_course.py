@@ -473,3 +473,75 @@ def test_pretraining_stopped_before_its_first_checkpoint_starts_again(learner, m
     scripts = Scripts(monkeypatch)
     take_course(monkeypatch, "--quick")
     assert scripts.commands[0] == ["train.py", "--minutes", "3"]
+
+
+def test_a_record_interrupted_while_it_is_saved_keeps_the_one_before(learner, monkeypatch):
+    # Ctrl-C is how a learner stops the course, and it can land while course.json is written:
+    # half a record would stop every later course as damaged, until the learner deletes it.
+    (learner / "runs").mkdir()
+    before = {"data": {"command": "python data.py", "started": 1.0, "minutes": 2.5}}
+    course.save_record(before)
+    real_write_text = Path.write_text
+
+    def interrupted(path, text, *args, **kwargs):
+        real_write_text(path, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        course.save_record({**before, "pretraining": {"command": "python train.py", "started": 2.0, "minutes": None}})
+    monkeypatch.setattr(Path, "write_text", real_write_text)
+    assert course.read_record() == before
+    assert [path.name for path in (learner / "runs").iterdir()] == ["course.json"]  # no half-written file left
+
+
+@pytest.mark.parametrize("seeds", ["0", "-1"])
+def test_fewer_than_one_training_seed_is_refused_before_any_step_runs(learner, monkeypatch, capsys, seeds):
+    # --seeds 0 would still train the series' seed, and ask the plots for none.
+    scripts = Scripts(monkeypatch)
+    with pytest.raises(SystemExit):
+        take_course(monkeypatch, "--quick", "--seeds", seeds)
+    assert "--seeds must be at least 1" in capsys.readouterr().err
+    assert scripts.commands == []
+
+
+def test_sittings_that_save_nothing_one_after_another_still_go_on_from_the_first_s_checkpoint(learner,
+                                                                                             monkeypatch):
+    # Each sitting keeps when the course first started the step: after two sittings in a row that
+    # saved no checkpoint, the first sitting's would otherwise be taken for an older run's, and
+    # pretraining would start over.
+    made_an_hour_ago(learner, "data/valid.bin")
+    now = time.time()
+    model = learner / "checkpoints" / "pretrain" / "model.pt"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"the first sitting's")
+    os.utime(model, (now - 1000, now - 1000))
+    (learner / "runs").mkdir()
+    course.save_record({"pretraining": {"command": "python train.py --minutes 3", "started": now - 100,
+                                        "minutes": None, "before": 10.0, "first_started": now - 1600,
+                                        "sittings": 2}})
+
+    def stopped_before_it_saves(command):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(course, "run", stopped_before_it_saves)  # the third sitting
+    with pytest.raises(KeyboardInterrupt):
+        take_course(monkeypatch, "--quick")
+    scripts = Scripts(monkeypatch)  # the fourth
+    take_course(monkeypatch, "--quick")
+    assert scripts.commands[0] == ["train.py", "--minutes", "3", "--resume"]
+    assert "| pretraining | `python train.py --minutes 3` | 10.0, in 4 sittings |" in (
+        learner / "report" / "README.md").read_text()
+
+
+def test_the_report_says_over_how_many_held_out_seeds_each_model_s_words_used_is_a_mean(learner, monkeypatch):
+    # The full course measures each model with three seeds of the held-out stories: the report
+    # says so, as a figure of one seed and a mean of three are not read alike.
+    Scripts(monkeypatch)
+    take_course(monkeypatch, "--quick")
+    mean_of = "each model's words used is itself the mean over 3 seeds of the held-out stories"
+    assert mean_of not in (learner / "report" / "README.md").read_text()  # measured with one seed
+    path = course.evaluation(course.CHECKPOINTS / "dpo")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "seeds": 3}))
+    take_course(monkeypatch, "--quick")
+    assert mean_of in (learner / "report" / "README.md").read_text()

@@ -1,3 +1,6 @@
+import io
+import os
+
 import pytest
 import torch
 
@@ -81,3 +84,59 @@ def test_autocast_multiplies_in_bf16_only_when_asked():
         assert (a @ a).dtype == torch.bfloat16
     with devices.autocast(torch.device("cpu"), "fp32"):
         assert (a @ a).dtype == torch.float32
+
+
+def test_a_gpu_is_refused_by_its_number_where_the_machine_has_fewer(monkeypatch):
+    # On a machine of one GPU, cuda:1 is refused in one line, not a traceback at the first tensor moved there.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert devices.pick_device("cuda") == torch.device("cuda")
+    assert devices.pick_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(SystemExit, match="has no cuda:1"):
+        devices.pick_device("cuda:1")
+
+
+def test_apple_s_gpu_is_mps_or_mps_0_and_no_other_number(monkeypatch):
+    # A Mac has one GPU: mps:1 is refused in one line, not a traceback at the first tensor moved there.
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert devices.pick_device("mps") == torch.device("mps")
+    assert devices.pick_device("mps:0") == torch.device("mps:0")
+    with pytest.raises(SystemExit, match="has no mps:1"):
+        devices.pick_device("mps:1")
+
+
+def test_apple_s_mps_trains_in_fp32():
+    # bf16 is picked only where the device is known or timed to multiply it faster: MPS is neither.
+    assert devices.default_precision(torch.device("mps")) == "fp32"
+
+
+def test_a_run_begun_under_torchrun_keeps_its_precision_on_one_gpu_of_the_same_kind(monkeypatch):
+    # A run's settings record its process's GPU, cuda:1; resumed in one process it runs on cuda.
+    # Begun with --precision fp32 on a GPU that would pick bf16, it goes on in fp32.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert devices.resumed_precision({"device": "cuda:1", "precision": "fp32"}, torch.device("cuda")) == "fp32"
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC 7763 64-Core Processor
+"""
+
+
+@pytest.mark.parametrize("cpuinfo, cpu", [(CPUINFO, "AMD EPYC 7763 64-Core Processor"),
+                                          ("processor\t: 0\nBogoMIPS\t: 48.00\nCPU part\t: 0xd08\n", "aarch64")])
+def test_the_machine_is_its_cpu_s_model_name_cores_and_gpu(monkeypatch, cpuinfo, cpu):
+    # The line the report and the benchmarks' figures are measured on. /proc/cpuinfo's "model"
+    # line (a number) comes before its "model name", and an ARM CPU's may have no model name at
+    # all: then the platform's name. The cores are the machine's, the threads torch's.
+    monkeypatch.setattr(devices, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    monkeypatch.setattr(devices.platform, "processor", lambda: "")
+    monkeypatch.setattr(devices.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert devices.machine() == f"{cpu}, 64 cores, NVIDIA H100 80GB HBM3; torch {torch.__version__}, 2 threads"

@@ -317,3 +317,33 @@ def test_a_rollout_s_figures_are_logged_under_rollout(capsys):
     rl.log_rollout(SimpleWriter(logged), 3, {"reward": 0.5, "kl": 1.0}, "reward 0.500")
     assert logged == [("rollout/reward", 0.5, 3), ("rollout/kl", 1.0, 3)]
     assert capsys.readouterr().out == "rollout 3: reward 0.500\n"
+
+
+def test_a_ratio_past_the_band_counts_as_clipped_only_where_its_advantage_pushes_it_further():
+    # One token at a time, so that counting the wrong tokens cannot come out the same: the clip
+    # binds above the band for a positive advantage, below it for a negative one, and nowhere else.
+    one = torch.ones(1, 1)
+    for ratio, advantage, low, high in ((1.5, 1.0, 0, 1), (1.5, -1.0, 0, 0), (0.5, -1.0, 1, 0), (0.5, 1.0, 0, 0)):
+        stats = rl.clip_stats(torch.tensor([[ratio]]), torch.tensor([[advantage]]), one, 0.2)
+        assert (stats["clip_ratio/low"], stats["clip_ratio/high"]) == (low, high), (ratio, advantage)
+
+
+def test_a_resumed_run_goes_on_with_the_minutes_its_checkpoint_had_spent(workspace, workspace_tokenizer, tmp_path,
+                                                                        capsys):
+    # ppo.py and grpo.py count --minutes from the seconds the checkpoint holds: saved as anything
+    # else, a run stopped and resumed would train for its whole budget again.
+    policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
+    optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
+    rl.save_rollout(tmp_path, 4, 150.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
+    made_by = rl.resume(tmp_path, policy, optimizer, rng, workspace_tokenizer)["made_by"]
+    assert (made_by["rollout"], made_by["seconds"]) == (4, 150.0)
+    assert "rollout 4, 2.5 minutes so far" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", [["--kl", "inf"], ["--kl", "nan"], ["--minutes", "inf"], ["--lr", "inf"]])
+def test_an_option_without_a_bound_is_refused_in_one_line(monkeypatch, capsys, option):
+    # A KL weight, a budget or a learning rate of infinity would train to NaN, or never stop.
+    monkeypatch.setattr("sys.argv", ["grpo.py", *option])
+    with pytest.raises(SystemExit):
+        rl.parse_rl_args(rl.rl_parser("a test", ppo.LR))
+    assert f"{option[0]} must be" in capsys.readouterr().err
