@@ -28,13 +28,19 @@ def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, mo
         check_writable(tmp_path / "checkpoints" / "pretrain")
 
 
+def saves_left(folder, stale, running):
+    """Two temporary files in folder: stale, an hour old, of a save that was killed; running, of a
+    save still being written. Returns running's path."""
+    an_hour_ago = time.time() - 3600
+    (folder / stale).write_bytes(b"half a file, from a run killed an hour ago")
+    os.utime(folder / stale, (an_hour_ago, an_hour_ago))
+    (folder / running).write_bytes(b"a save that another run is writing now")
+    return folder / running
+
+
 def test_a_run_starting_in_a_folder_removes_what_any_killed_save_left_there(tmp_path):
     # A run killed while saving rollout-7.pt, resumed from rollout-0.pt: nothing saves rollout-7.pt again.
-    stale, running = tmp_path / ".rollout-7.pt.99999.tmp", tmp_path / ".rollout-9.pt.88888.tmp"
-    stale.write_bytes(b"half of a checkpoint, from a run killed yesterday")
-    an_hour_ago = time.time() - 3600
-    os.utime(stale, (an_hour_ago, an_hour_ago))
-    running.write_bytes(b"a save that another run is writing now")
+    running = saves_left(tmp_path, ".rollout-7.pt.99999.tmp", ".rollout-9.pt.88888.tmp")
     check_writable(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [running.name]
 
@@ -221,11 +227,7 @@ def test_a_file_the_save_cannot_read_keeps_its_own_error(tmp_path):
 def test_a_save_removes_what_a_killed_save_of_the_same_file_left_beside_it(tmp_path):
     # data.py saves into data/ with no check_writable first: a killed run's .train.txt.PID.tmp
     # (up to gigabytes) goes with the next save of train.txt, while another run's save still writing stays.
-    stale, running = tmp_path / ".train.txt.99999.tmp", tmp_path / ".train.txt.88888.tmp"
-    stale.write_bytes(b"half of the stories, from a run killed yesterday")
-    an_hour_ago = time.time() - 3600
-    os.utime(stale, (an_hour_ago, an_hour_ago))
-    running.write_bytes(b"a save that another run is writing now")
+    running = saves_left(tmp_path, ".train.txt.99999.tmp", ".train.txt.88888.tmp")
     with files.atomic(tmp_path / "train.txt") as tmp:
         tmp.write_bytes(b"the stories")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, "train.txt"])

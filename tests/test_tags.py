@@ -164,14 +164,19 @@ def test_a_row_in_doubt_leaves_no_tag_at_all(tmp_path):
     assert git(tmp_path, "tag", "--list") == ""
 
 
+def a_clone_of_one_step(folder, tag):
+    """A repository in folder with tags.py, a steps.tsv of one row, tag, and that row's commit."""
+    git(folder, "init", "--quiet")
+    shutil.copy(tags.ROOT / "tags.py", folder / "tags.py")
+    (folder / "steps.tsv").write_text(f"tag\tcommit subject\n{tag}\tEpisode 1, step 1: a\n", encoding="utf-8")
+    commit(folder, "Episode 1, step 1: a")
+
+
 @needs_git
 def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path):
     # --check only looks: a learner who checks first still gets the tags from python tags.py, and
     # a --check alone leaves the clone's tags as they were.
-    git(tmp_path, "init", "--quiet")
-    shutil.copy(tags.ROOT / "tags.py", tmp_path / "tags.py")
-    (tmp_path / "steps.tsv").write_text("tag\tcommit subject\nep1-1-a\tEpisode 1, step 1: a\n", encoding="utf-8")
-    commit(tmp_path, "Episode 1, step 1: a")
+    a_clone_of_one_step(tmp_path, "ep1-1-a")
     checked = subprocess.run([sys.executable, "tags.py", "--check"], cwd=tmp_path, capture_output=True, text=True)
     assert checked.returncode == 0 and "1 steps found" in checked.stdout
     assert git(tmp_path, "tag", "--list") == ""
@@ -184,10 +189,7 @@ def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path):
 def test_a_tag_git_refuses_to_make_stops_tags_py_in_one_line(tmp_path):
     # The learner's own tag ep1 leaves no room for ep1/1-a (git keeps tags as paths): tags.py
     # must fail with git's reason in one line, not a traceback, and not print that every step is tagged.
-    git(tmp_path, "init", "--quiet")
-    shutil.copy(tags.ROOT / "tags.py", tmp_path / "tags.py")
-    (tmp_path / "steps.tsv").write_text("tag\tcommit subject\nep1/1-a\tEpisode 1, step 1: a\n", encoding="utf-8")
-    commit(tmp_path, "Episode 1, step 1: a")
+    a_clone_of_one_step(tmp_path, "ep1/1-a")
     git(tmp_path, "tag", "ep1")
     made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
     assert made.returncode != 0 and "steps tagged" not in made.stdout
