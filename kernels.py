@@ -12,8 +12,9 @@ check it against that counterpart).
   CPU kernel computes it faster in float32 than in bfloat16 (bench/turns.py attention measures it).
 - block_attention(q, keys, values, visible): a new token's attention over the cache, as a
   step of writing with it runs on a CPU without AMX: two products by hand over a cache kept in
-  blocks of CACHE_BLOCK positions, which there take a third of the fused kernel's time or
-  less (bench/decode.py measures both); cache_block(device, context) is the block a cache keeps.
+  blocks of CACHE_BLOCK positions, which there take a third of the fused kernel's time in
+  bfloat16 and about as long in float32 (bench/decode.py measures both); cache_block(device,
+  context) is the block a cache keeps.
 """
 import torch
 import torch.nn.functional as F
@@ -79,8 +80,9 @@ FLOAT32_BACKWARD = all(hasattr(torch.ops.aten, name) for name in (
 # Writing with a cache, a new token's attention reads every cached key and value and multiplies
 # little. On a CPU with AMX (Intel's matrix units), torch's fused kernel does it fastest over the
 # positions so far; on a CPU without, two products by hand over a cache kept in blocks of 32
-# positions take a third of its time or less, so they run there (bench/decode.py times both;
-# episode 16's speed page has the figures, an Intel Xeon's and an AMD EPYC's).
+# positions take a third of its time in bfloat16 and about as long in float32 (less at 120
+# positions, more at 224), so they run there (bench/decode.py times both; episode 16's speed
+# page has the figures, an Intel Xeon's and AMD EPYCs').
 BY_HAND_ON_CPU = not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 CACHE_BLOCK = 32  # positions in a block of the cache, where block_attention reads it
 
