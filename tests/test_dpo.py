@@ -60,8 +60,13 @@ def test_pair_losses_follow_the_dpo_formula_for_a_policy_apart_from_its_referenc
         assert loss == pytest.approx(-math.log(1 / (1 + math.exp(-by_hand))), rel=1e-4)
 
 
-def test_story_logprobs_sum_the_story_tokens_only(workspace_tokenizer, workspace_model):
+@pytest.mark.parametrize("first_token", [None, 0])
+def test_story_logprobs_sum_the_story_tokens_only(workspace_tokenizer, workspace_model, first_token):
+    # Token 0 is a token like any other (a byte of the tokenizer's): only -1, the prompt and the
+    # padding, counts for nothing.
     pair = fake_pairs(workspace_tokenizer, 1)
+    if first_token is not None:
+        pair[0]["chosen_tokens"] = [first_token] + pair[0]["chosen_tokens"]
     x, y = dpo.pair_batch(pair, workspace_tokenizer, "cpu")
     with torch.no_grad():
         logits, _ = workspace_model(x)
