@@ -25,8 +25,9 @@ def git(*args):
     except FileNotFoundError:
         raise SystemExit("tags.py: git is not installed, or not on the PATH; install it, then run tags.py again")
     except subprocess.CalledProcessError as error:
-        said = error.stderr.strip().splitlines() or [f"exit status {error.returncode}"]
-        raise SystemExit(f"tags.py: git {args[0]} failed: {said[-1]}")
+        # git's reason is its "fatal:" or "error:" line; hints may follow it.
+        said = [line for line in error.stderr.splitlines() if line.startswith(("fatal:", "error:"))]
+        raise SystemExit(f"tags.py: git {args[0]} failed: {(said or [f'exit status {error.returncode}'])[0]}")
 
 
 def read_steps(path=STEPS):
@@ -84,7 +85,8 @@ def main():
 
     rows = read_steps()
     commits, errors = find_commits(rows)
-    # Any row in doubt stops the whole command, so a clone never holds a half-made set of tags.
+    # Any row in doubt stops the whole command before a tag is made, so no row's doubt leaves a
+    # half-made set of tags (a tag git itself refuses stops it where it is, with git's reason).
     if errors:
         raise SystemExit("\n".join(f"tags.py: {error}" for error in errors))
     for tag, subject in rows:

@@ -129,17 +129,18 @@ def resumable(made_by):
 def resume(folder, args, device, tokenizer, rng):
     """The run in folder, to go on from: its model, its optimizer, the step and seconds where
     it stopped, and its precision. args takes the schedule the run started with (its --minutes
-    and --steps), and rng the windows it would have drawn next."""
+    and --steps), rng the windows it would have drawn next, and in one process torch's random
+    state the dropout masks it would have drawn (resume_draws)."""
     checkpoint = read_checkpoint(folder)
-    made_by, fresh = checkpoint["made_by"], "start without --resume"
+    made_by, advice = checkpoint["made_by"], "start without --resume"
     # Pretraining's own checkpoint, with its optimizer's state (a final or copied model has none).
     if made_by.get("script") != "train.py" or "optimizer" not in checkpoint:
-        raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; {fresh}")
+        raise SystemExit(f"{folder} holds no pretraining run's optimizer state to resume from; {advice}")
     if not resumable(made_by):
-        raise SystemExit(f"{folder} does not say its step, seconds and schedule; {fresh}")
+        raise SystemExit(f"{folder} does not say its step, seconds and schedule; {advice}")
     model = model_from(checkpoint, folder, device, tokenizer)
     optimizer = make_optimizer(model)
-    must_load(folder, "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]), fresh)
+    must_load(folder, "an optimizer state", lambda: optimizer.load_state_dict(checkpoint["optimizer"]), advice)
     step, elapsed = made_by["step"], made_by["seconds"]
     # The schedule is the one the run started with, whatever the command line says now.
     schedule = made_by["settings"]["minutes"], made_by["settings"]["steps"]
@@ -152,7 +153,7 @@ def resume(folder, args, device, tokenizer, rng):
     # timing could choose the other one and train another model.
     precision = args.precision or resumed_precision(made_by["settings"], device)
     print(f"resuming at step {step}, {elapsed / 60:.1f} of {args.minutes:g} minutes")
-    must_load(folder, "a random state", lambda: resume_draws(checkpoint, rng, step), fresh)
+    must_load(folder, "a random state", lambda: resume_draws(checkpoint, rng, step), advice)
     return model, optimizer, step, elapsed, precision
 
 

@@ -172,11 +172,15 @@ def test_the_course_s_figures_leave_a_figure_as_it_was_when_its_runs_logged_noth
     assert capsys.readouterr().out.count("nothing logged for course-") == 2
 
 
-@pytest.mark.parametrize("text, error", [('{"words_used_by_seed": [0.2', r"is damaged \(JSONDecodeError\)"),
-                                         ("{}", "lacks words_used_by_seed, valid_loss")])
-def test_a_damaged_result_is_refused_in_one_line(tmp_path, monkeypatch, text, error):
+@pytest.mark.parametrize("content, error", [(b'{"words_used_by_seed": [0.2', r"is damaged \(JSONDecodeError\)"),
+                                            (b"{}", "lacks words_used_by_seed, valid_loss"),
+                                            (b'{"words_used_by_seed": [0.2]}', "lacks words_used_by_seed, valid_loss"),
+                                            (b'{"words_used_by_seed": [0.2\xff', r"is damaged \(UnicodeDecodeError\)")])
+def test_a_damaged_result_is_refused_in_one_line(tmp_path, monkeypatch, content, error):
+    # An older or damaged result (a figure missing, bytes that are not text) would otherwise stop
+    # the plots with a traceback (KeyError, UnicodeDecodeError).
     (tmp_path / "evaluate").mkdir()
-    (tmp_path / "evaluate" / "finetune-step-200.json").write_text(text)
+    (tmp_path / "evaluate" / "finetune-step-200.json").write_bytes(content)
     monkeypatch.setattr(plots, "RUNS", tmp_path)
     with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
         list(plots.measured("finetune"))
@@ -269,18 +273,6 @@ def test_a_course_figure_named_is_drawn_alone_from_each_training_seed(tmp_path, 
         ("course-dpo.png", [["dpo", "dpo-seed-2"]])]
 
 
-@pytest.mark.parametrize("content, error", [(b'{"words_used_by_seed": [0.2]}', "lacks words_used_by_seed, valid_loss"),
-                                            (b'{"words_used_by_seed": [0.2\xff', r"is damaged \(UnicodeDecodeError\)")])
-def test_a_result_with_a_figure_missing_or_bytes_that_are_not_text_is_refused_in_one_line(tmp_path, monkeypatch,
-                                                                                         content, error):
-    # An older or damaged result would otherwise stop the plots with a traceback (KeyError, UnicodeDecodeError).
-    (tmp_path / "evaluate").mkdir()
-    (tmp_path / "evaluate" / "finetune-step-200.json").write_bytes(content)
-    monkeypatch.setattr(plots, "RUNS", tmp_path)
-    with pytest.raises(SystemExit, match=f"{error}; measure the model again with python evaluate.py"):
-        list(plots.measured("finetune"))
-
-
 @pytest.mark.parametrize("args", [["--seeds", "3"], ["rl-reward.png", "--seeds", "2"], ["--course", "--seeds", "0"]])
 def test_seeds_outside_the_course_s_figures_get_one_line(args, tmp_path, monkeypatch, capsys):
     # Only the course's runs have training seeds: --seeds 3 for the other figures would draw one
@@ -292,4 +284,3 @@ def test_seeds_outside_the_course_s_figures_get_one_line(args, tmp_path, monkeyp
         plots.main()
     assert "--seeds must be at least 1, and goes with the course's figures" in capsys.readouterr().err
     assert not (tmp_path / "img").exists()
-

@@ -109,6 +109,7 @@ def test_a_resumed_run_that_had_ended_is_not_measured_again(script, workspace, r
 
 
 def test_resume_reads_the_rollout_checkpoint_once(workspace, workspace_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no checkpoints/finetune here for the rollout to be compared with
     policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
     optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
     rl.save_rollout(tmp_path / "run", 2, 0.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})
@@ -329,9 +330,10 @@ def test_a_ratio_past_the_band_counts_as_clipped_only_where_its_advantage_pushes
 
 
 def test_a_resumed_run_goes_on_with_the_minutes_its_checkpoint_had_spent(workspace, workspace_tokenizer, tmp_path,
-                                                                        capsys):
+                                                                        capsys, monkeypatch):
     # ppo.py and grpo.py count --minutes from the seconds the checkpoint holds: saved as anything
     # else, a run stopped and resumed would train for its whole budget again.
+    monkeypatch.chdir(tmp_path)  # no checkpoints/finetune here for the rollout to be compared with
     policy = load_checkpoint(workspace / "checkpoints" / "finetune", tokenizer=workspace_tokenizer, quiet=True)
     optimizer, rng = torch.optim.AdamW(policy.parameters()), np.random.default_rng(0)
     rl.save_rollout(tmp_path, 4, 150.0, policy, workspace_tokenizer, optimizer, rng, {"script": "grpo.py"})

@@ -1,6 +1,7 @@
 """steps.tsv names commits that exist, once each, and `python tags.py` makes from it, in a
 fresh clone, tags whose scripts compile."""
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -173,9 +174,11 @@ def a_clone_of_one_step(folder, tag):
 
 
 @needs_git
-def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path):
+def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path, monkeypatch):
     # --check only looks: a learner who checks first still gets the tags from python tags.py, and
     # a --check alone leaves the clone's tags as they were.
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)  # no tag.gpgSign of the user's to ask for a message
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     a_clone_of_one_step(tmp_path, "ep1-1-a")
     checked = subprocess.run([sys.executable, "tags.py", "--check"], cwd=tmp_path, capture_output=True, text=True)
     assert checked.returncode == 0 and "1 steps found" in checked.stdout
@@ -186,12 +189,25 @@ def test_check_makes_no_tag_and_a_plain_run_makes_them(tmp_path):
 
 
 @needs_git
-def test_a_tag_git_refuses_to_make_stops_tags_py_in_one_line(tmp_path):
+def test_a_tag_git_refuses_to_make_stops_tags_py_in_one_line(tmp_path, monkeypatch):
     # The learner's own tag ep1 leaves no room for ep1/1-a (git keeps tags as paths): tags.py
     # must fail with git's reason in one line, not a traceback, and not print that every step is tagged.
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)  # no tag.gpgSign of the user's to ask for a message
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     a_clone_of_one_step(tmp_path, "ep1/1-a")
     git(tmp_path, "tag", "ep1")
     made = subprocess.run([sys.executable, "tags.py"], cwd=tmp_path, capture_output=True, text=True)
     assert made.returncode != 0 and "steps tagged" not in made.stdout
-    assert made.stderr.startswith("tags.py: git tag failed: ") and made.stderr.count("\n") == 1  # one line
+    assert made.stderr.startswith("tags.py: git tag failed: fatal: ") and made.stderr.count("\n") == 1  # one line
     assert git(tmp_path, "tag", "--list") == "ep1\n"
+
+
+def test_a_machine_without_git_gets_one_line(tmp_path, monkeypatch):
+    # A tarball's reader, or a fresh machine, may have no git: one line that says so, not a traceback.
+    def no_git(command, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", command[0])
+
+    monkeypatch.setattr(tags.subprocess, "run", no_git)
+    with pytest.raises(SystemExit, match="^tags.py: git is not installed, or not on the PATH"):
+        tags.git("log")
+
