@@ -861,3 +861,238 @@ def test_decode_benchmark_drops_a_quarter_of_the_rows_as_it_says(monkeypatch):
     decode.narrowing(SimpleNamespace(keep=kept.append), torch.device("cpu"))
     [rows] = kept
     assert len(rows) == decode.ROWS and int(rows.sum()) == decode.ROWS - decode.ROWS // 4
+
+
+def test_read_bandwidth_divides_by_the_fastest_of_its_sums(monkeypatch):
+    # A sum that runs slow now and then (a shared machine) would put the memory's speed low
+    # and the writing's floor, which reads the cache at that speed, high.
+    seconds = iter([0.8, 0.5, 0.4, 0.9, 0.6])
+    monkeypatch.setattr(common, "timed", lambda device, work: (None, next(seconds)))
+    assert common.read_bandwidth(torch.device("cpu")) == pytest.approx(256 * 2**20 / 0.4)
+
+
+def test_peak_memory_on_a_gpu_is_the_most_torch_allocated_in_megabytes(monkeypatch):
+    # The tables' peak memory on CUDA: torch's high-water mark, not what is held at the end,
+    # in MB of 2**20 bytes as on the CPU.
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 2**20)
+    assert common.peak_memory_mb(torch.device("cuda")) == 3
+
+
+def test_synchronize_waits_for_the_gpu_it_is_given_and_not_for_a_cpu(monkeypatch):
+    # Without the wait, a GPU's timer would measure only the queueing of its work, and every
+    # tokens per second and share of the peak measured there would come out high.
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: waited.append("cuda"))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda *args: waited.append("mps"))
+    for name in ("cuda", "cuda:0", "mps", "cpu"):
+        common.synchronize(torch.device(name))
+    assert waited == ["cuda", "cuda", "mps"]
+
+
+def test_training_benchmark_s_clock_times_its_steps_alone_the_device_waited_for(monkeypatch):
+    # The tokens per second are the timed steps' alone: not the warm-up step (which pays for
+    # setting up), nor the peak's products before and after; and the clock waits for the
+    # device's queued work before it starts and before it stops.
+    monkeypatch.setattr(train_bench, "Config", lambda: Config(**TINY))
+    events = []
+    monkeypatch.setattr(train_bench, "train_step", lambda *args: events.append("step"))
+    monkeypatch.setattr(train_bench, "matmul_peak", lambda device, dtype: events.append("peak") or 1e12)
+    monkeypatch.setattr(train_bench, "synchronize", lambda device: events.append("wait"))
+    clock = SimpleNamespace(perf_counter=lambda: events.append("clock") or float(len(events)))
+    monkeypatch.setattr(train_bench, "time", clock)
+    train_bench.measure("fp32", 3, torch.device("cpu"))
+    assert events == ["step", "peak", "wait", "clock", "step", "step", "step", "wait", "clock", "peak"]
+
+
+def rollout_main_with_runs(monkeypatch, runs, peaks, bandwidth):
+    """bench/rollout.py's main() on rollouts measured as `runs` say, the peak after each as `peaks` say."""
+    from bench import rollout as rollout_bench
+
+    measured, measured_peaks = iter(runs), iter(peaks)
+    monkeypatch.setattr(rollout_bench, "load_tokenizer", lambda: None)
+    monkeypatch.setattr(rollout_bench, "load_checkpoint", lambda *args, **kwargs: tiny_model())
+    monkeypatch.setattr(rollout_bench, "grpo_asks", lambda tokenizer: [])
+    monkeypatch.setattr(rollout_bench, "measure_rollout", lambda *args: next(measured))
+    monkeypatch.setattr(rollout_bench, "matmul_peak", lambda device, dtype: next(measured_peaks))
+    monkeypatch.setattr(rollout_bench, "read_bandwidth", lambda device: bandwidth)
+    monkeypatch.setattr(rollout_bench, "report", lambda runs, peak: "")
+    monkeypatch.setattr(sys, "argv", ["rollout.py", "--repeats", str(len(runs)), "--device", "cpu",
+                                      "--precision", "fp32"])
+    rollout_bench.main()
+
+
+# The lines under the table: each the median of the rollouts (a busy machine puts one of them
+# far off, and a mean would follow it), divided by the fastest peak, and each rate its own
+# tokens over its own part's seconds.
+def test_rollout_benchmark_s_floors_and_rates_are_the_medians_of_its_rollouts(monkeypatch, capsys):
+    def run(whole, whole_work, writing, writing_work, cache_bytes, story_tokens, by_group, by_group_tokens, positions,
+            update):
+        return {"whole rollout": whole, "whole rollout work": whole_work, "writing": writing,
+                "writing work": writing_work, "cache_bytes_read": cache_bytes, "story_tokens": story_tokens,
+                "mean_length": story_tokens / 128, "by_group": by_group, "by_group_tokens": by_group_tokens,
+                "positions": positions, "update": update, "other_writing": 0.0, "other_tokens": 0}
+
+    # The medians: 36 s and 48 TFLOP a rollout; the writing 10.5 s, 6 TFLOP, 20 GB read, 2,100
+    # tokens; group by group 1,200 tokens in 12 s; the update 25,600 positions in 25.6 s.
+    runs = [run(30.0, 40e12, 7.0, 4e12, 10e9, 2000, 10.0, 1000, 25000, 20.0),
+            run(60.0, 80e12, 20.0, 8e12, 30e9, 3000, 30.0, 2000, 30000, 40.0),
+            run(36.0, 48e12, 10.5, 6e12, 20e9, 2100, 12.0, 1200, 25600, 25.6)]
+    rollout_main_with_runs(monkeypatch, runs, peaks=[2e12, 4e12, 3e12], bandwidth=10e9)
+    out = capsys.readouterr().out
+    assert "median of 3 rollouts; 128 stories, 16 tokens each on average" in out  # 2,100 / 128
+    # 48 TFLOP at the fastest peak, 4 TFLOP/s: 12 s; the rollout's 36 s are 3 times it.
+    assert "the floor, every product at the peak: 12.0 s a rollout; this one took 3.0 times it" in out
+    # 6 TFLOP at the peak, 1.5 s, then 20 GB at 10 GB/s, 2 s: 3.5 s, and the writing's 10.5 s 3 times it.
+    assert ("the writing's floor, its products at the peak (1.5 s) and the keys and values its steps read (20.0 GB) "
+            "at the memory's 10.0 GB/s (2.0 s): 3.5 s; it took 3.0 times it") in out
+    assert ("writing: 200 generated tokens per second in one batch, 100 group by group (16 calls of 8, its own "
+            "stories): 2.0 times faster") in out
+    # Each epoch trains on every position: EPOCHS x 25,600 positions and 2,100 story tokens in 25.6 s.
+    assert (f"update: {ppo.EPOCHS * 1000:,.0f} trained positions per second "
+            f"({ppo.EPOCHS * 2100 / 25.6:,.0f} story tokens)") in out
+
+
+def test_the_rollout_benchmark_draws_from_the_instructions_in_grpo_s_order(monkeypatch):
+    # grpo.py's rollouts draw from one list of the instructions, shortest first: drawn from
+    # another order, the bench's seeds would pick other instructions, and time other stories.
+    asks = {5: ["a5", "b5"], 3: ["c3"], 9: ["d9"]}
+    monkeypatch.setattr(common, "load_asks", lambda tokenizer: asks)
+    assert common.grpo_asks(None) == ["c3", "a5", "b5", "d9"]
+
+
+# A rollout's own figures from what it wrote: the stories' tokens (end-of-text included, not
+# the padding), the other precision's stories', and the bytes of keys and values its steps
+# read, in the precision the cache holds them (bf16's two bytes, though the weights are fp32).
+def test_a_rollout_counts_its_own_stories_tokens_and_its_cache_in_the_writing_s_precision(monkeypatch):
+    from bench import rollout as rollout_bench
+
+    prompts = [[1, 2, 3]] * 8
+    stories = [[5, 6, 0], [7, 0], [8], [9, 9, 9, 9], [4, 0], [5], [6, 6], [7, 7, 0]]  # 18 tokens
+    other = [[5, 0]] * 8  # in the other precision: 16 tokens
+    written = iter([(prompts, stories, [float(i) for i in range(8)]), (prompts, other, [0.0] * 8)])
+    monkeypatch.setattr(rollout_bench, "rollout", lambda *args: next(written))
+    monkeypatch.setattr(rollout_bench, "write_group_by_group", lambda *args: 11)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run = rollout_bench.measure_rollout(model, tiny_model(), optimizer, SimpleNamespace(eot=0, decode=str), [], 0,
+                                        torch.device("cpu"), "bf16", True)
+    assert run["story_tokens"] == 18 and run["mean_length"] == 18 / 8
+    assert run["by_group_tokens"] == 11 and run["other_tokens"] == 16
+    # The steps after each story's first token read its prompt and its story so far: 4, 5, ... positions.
+    read = sum(3 + k for story in stories for k in range(1, len(story)))
+    assert read == 4 + 5 + 4 + 4 + 5 + 6 + 4 + 4 + 4 + 5
+    assert run["cache_bytes_read"] == read * 2 * TINY["n_layer"] * TINY["n_embd"] * 2  # keys and values, bf16
+
+
+# The profile's count of what the writing wasted: every row's first token comes from its
+# prompt's pass, each later one from a single-token step of the rows still in the batch.
+def test_the_profile_counts_the_tokens_written_after_a_story_had_ended(monkeypatch, capsys):
+    from bench import rollout as rollout_bench
+
+    def rollout(policy, *args):
+        policy(torch.zeros(4, 3, dtype=torch.long))  # the prompts' pass: each row's first token
+        for rows in (4, 3, 2):  # three steps, a row leaving the batch after each
+            policy(torch.zeros(rows, 1, dtype=torch.long))
+        return [[1, 1, 1]] * 4, [[5, 6, 7, 0], [5, 0], [5, 6, 0], [0]], [0.0] * 4  # 10 tokens kept
+
+    monkeypatch.setattr(rollout_bench, "rollout", rollout)
+    with torch.no_grad():
+        rollout_bench.profile_writing(tiny_model(), None, [], torch.device("cpu"), "fp32")
+    # 4 + 4 + 3 + 2 = 13 written, 10 kept: 3 of 13 written after their story had ended.
+    assert "4 steps; 13 tokens written, 10 kept in the stories: 23.1% written after a story had ended" in (
+        capsys.readouterr().out)
+
+
+def test_the_bf16_drift_s_figures_are_per_story_token_and_per_story(monkeypatch):
+    from bench import rollout as rollout_bench
+
+    # Two stories, of 2 tokens and 1 (the second row's last position is padding, and its
+    # numbers must not count): r is the bf16 model's log p less the fp32 writer's.
+    exact = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]])
+    rounded = torch.tensor([[-1.5, -1.0], [-0.3, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    passes = iter([exact, rounded])
+    monkeypatch.setattr(rollout_bench, "rollout", lambda *args: ([[1], [1]], [[2, 3], [2]], [0.0, 0.0]))
+    monkeypatch.setattr(rollout_bench, "pack", lambda *args: (None, None, mask))
+    monkeypatch.setattr(rollout_bench, "token_logprobs", lambda *args: next(passes))
+    drift = rollout_bench.precision_drift(None, SimpleNamespace(eot=0), [], torch.device("cpu"))
+    r = [-0.5, 1.0, 0.2]  # the three story tokens'
+    assert drift["mean_abs_per_token"] == pytest.approx((0.5 + 1.0 + 0.2) / 3)
+    assert drift["ratio_spread"] == pytest.approx(sum(abs(math.exp(x) - 1) for x in r) / 3)
+    kl = [math.exp(x) - x - 1 for x in r]
+    assert drift["kl_per_story"] == pytest.approx((kl[0] + kl[1] + kl[2]) / 2)  # the mean of the two stories' sums
+
+
+def decode_main(monkeypatch, seconds, peaks, *args):
+    """bench/decode.py's main() on the tiny model, every timed piece of work taking `seconds` in turn."""
+    from bench import decode
+
+    clock, measured_peaks = iter(seconds), iter(peaks)
+    monkeypatch.setattr(decode, "GPT", lambda config: GPT(Config(vocab_size=64, **TINY)))
+    monkeypatch.setattr(decode, "timed", lambda device, work: (work(), next(clock)))
+    monkeypatch.setattr(decode, "matmul_peak", lambda device, dtype: next(measured_peaks))
+    monkeypatch.setattr(decode, "read_bandwidth", lambda device: 1e9)
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--positions", "22", "--device", "cpu", "--precision", "fp32",
+                                      *args])
+    decode.main()
+
+
+# The decode benchmark's figures from its timings: a step the median of the steps timed, its
+# rows' tokens a second, its share of the faster peak, the cache's reads and the narrowing in
+# milliseconds, and each way of attention the median of its rounds.
+def test_decode_benchmark_s_figures_are_its_timings_medians_in_milliseconds(monkeypatch, capsys):
+    seconds = [0.1, 0.5, 0.2,  # three steps timed: the median 0.2 s
+               0.004,  # dropping a quarter of the rows
+               0.001, 0.004, 0.002, 0.004, 0.009, 0.004, 0.002, 0.004, 0.003, 0.004]  # two ways, five rounds
+    flops = decode.step_flops(GPT(Config(vocab_size=64, **TINY)), 22)
+    # The peak before the steps would put the step at 80% of it, the one after, the faster, at 40%.
+    decode_main(monkeypatch, seconds, [flops / 0.2 / 0.8, flops / 0.2 / 0.4], "--steps", "3")
+    out = capsys.readouterr().out
+    assert "a step of 128 rows at 22 cached positions: 200.0 ms, 640 tokens per second, 40% of the matrix peak" in out
+    # Keys and values, 2 layers, 128 rows, 32 channels, 22 positions, fp32: 1.44 MB, at 1 GB/s 1.4 ms.
+    cache = 2 * 2 * 128 * 32 * 22 * 4
+    assert f"the attention reads {cache / 1e6:.0f} MB of keys and values a step; at the memory's 1.0 GB/s " \
+           f"(a sum over 256 MB) that is {cache / 1e9 * 1000:.1f} ms" in out
+    assert "dropping a quarter of the rows from the cache: 4.0 ms" in out
+    assert re.search(r"torch's fused kernel, over the positions so far: 2.0\n  by hand, .*: 4.0\n", out)
+
+
+# The compiled table: a step the median of its steps, an update's minibatch the median of all
+# but the first (which pays for compiling), each column its own way's.
+def test_decode_benchmark_s_compiled_table_gives_each_way_s_medians(monkeypatch, capsys):
+    from bench import decode
+
+    monkeypatch.setattr(torch, "compile", lambda model, dynamic: model)
+    updates = iter([9.0, 1.0, 3.0, 2.0, 30.0, 0.5, 0.7, 0.6])  # eager's four, then compiled's
+    monkeypatch.setattr(decode, "update_minibatch", lambda *args: next(updates))
+    seconds = [0.1, 0.1, 0.001] + [0.001] * 10 + [0.05, 0.07] + [0.01, 0.03]  # eager's steps, then compiled's
+    decode_main(monkeypatch, seconds, [1e12, 1e12], "--steps", "2", "--compile")
+    out = capsys.readouterr().out
+    assert "| a step of the writing | 60.0 ms | 20.0 ms |" in out
+    assert "| an update minibatch (16 x 224), median of the last 3 | 2.00 s | 0.60 s |" in out
+
+
+def test_forward_flops_counts_the_output_layer_the_token_embedding_s_weights_make():
+    # The token embedding's weights are also the output layer: a product over the vocabulary
+    # for every token, the series model's biggest matrix (5,376 x 384, a seventh of its weights),
+    # which the tiny model's 64 words hide. A vocabulary of 4,096 makes it most of the work.
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=4096, **TINY))
+    x = torch.randint(0, 4096, (1, 8))
+    # 8 tokens: the output layer (4,096 x 32), each layer's 12 x 32 x 32 weights, two FLOPs a
+    # weight; the attention's two products over the 8 x 8 pairs, 32 channels, in 2 layers.
+    by_hand = 2 * 8 * (4096 * 32 + 2 * 12 * 32 * 32) + 4 * 2 * 32 * 8 * 8
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    assert counter.get_total_flops() == by_hand
+    assert train_bench.forward_flops(model, 8, 8 * 8) == pytest.approx(by_hand, rel=0.01)  # and the biases'
+
+
+def test_decode_benchmark_counts_the_cache_s_bytes_in_the_precision_it_holds(monkeypatch, capsys):
+    # In bf16 the cache holds two bytes a number, half fp32's: the attention's floor at the
+    # memory's speed halves with it.
+    monkeypatch.setattr(decode, "attention_ways", lambda *args: {})  # bf16's slow products on a CPU, not counted
+    decode_main(monkeypatch, [0.2, 0.004], [1e12, 1e12], "--steps", "1", "--precision", "bf16")
+    cache = 2 * 2 * 128 * 32 * 22 * 2  # keys and values, 2 layers, 128 rows, 32 channels, 22 positions, bf16
+    assert f"GB/s (a sum over 256 MB) that is {cache / 1e9 * 1000:.1f} ms" in capsys.readouterr().out
