@@ -1,13 +1,13 @@
 """
 Benchmark: where a step of a rollout's writing goes. 128 stories (16 prompts of 20 tokens,
-each written for 8 times, as in GRPO) are written with sample.generate up to --positions
-positions, then --steps more single-token steps are timed and profiled: the seconds of a
-step, its share of the machine's matrix-product peak, and torch's profiler's operators,
-the most expensive first (the matrix products, the attention over the cache, the copies
-and the small operators between them); the bytes of the cache a step reads against the
-memory's bandwidth, measured in the same run; and what dropping a quarter of the rows, as
-the writing does once their stories have ended, costs. The series-size model with random
-weights: a step costs the same whatever the weights say.
+each written for 8 times, as in GRPO) are written with sample.generate, and --steps
+single-token steps centred on --positions cached positions are timed, then as many more
+profiled: the seconds of a step, its share of the machine's matrix-product peak, and torch's
+profiler's operators, the most expensive first (the matrix products, the attention over the
+cache, the copies and the small operators between them); the bytes of the cache a step reads
+against the memory's bandwidth, measured in the same run; and what dropping a quarter of the
+rows, as the writing does once their stories have ended, costs. The series-size model with
+random weights: a step costs the same whatever the weights say.
 
 On a CPU, the attention over the cache two ways, taking turns, the cache in the layers'
 precision: torch's fused kernel over the positions so far, which the writing runs on a CPU
@@ -52,8 +52,10 @@ def step_flops(model, positions):
 
 
 def writing_steps(model, device, positions, steps):
-    """The cache filled to `positions`, then `steps` single-token steps: their seconds each, and
-    the step itself, which may run `steps` times more (the cache has room for them)."""
+    """`steps` single-token steps centred on `positions` cached positions (the first at
+    positions - (steps - 1) // 2), so that the work counted at `positions` is the work timed:
+    their seconds each, and the step itself, which may run `steps` times more (the cache has
+    room for them)."""
     generator = torch.Generator(device=device).manual_seed(0)
     groups = [torch.randint(0, model.config.vocab_size, (1, PROMPT), device=device).repeat(GROUP, 1)
               for _ in range(ROWS // GROUP)]
@@ -65,7 +67,7 @@ def writing_steps(model, device, positions, steps):
         logits = model(token[:, None], cache=cache)[0][:, -1]
         token = next_token(logits, 1.0, None, generator)
 
-    for _ in range(positions - PROMPT):
+    for _ in range(positions - (steps - 1) // 2 - PROMPT):
         one_step()
     seconds = [timed(device, one_step)[1] for _ in range(steps)]
     return seconds, one_step, cache
@@ -137,16 +139,17 @@ def update_minibatch(model, optimizer, device, precision):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--positions", type=int, default=120, help="cached positions when timing starts")
+    parser.add_argument("--positions", type=int, default=120, help="cached positions the timed steps are centred on")
     parser.add_argument("--steps", type=int, default=10, help="single-token steps timed and profiled")
     parser.add_argument("--compile", action="store_true", help="torch.compile beside eager (slow to compile)")
     parser.add_argument("--device")
     parser.add_argument("--precision", choices=list(DTYPES), help="default: the scripts' for the device")
     parser.add_argument("--rows", type=int, default=25, help="operators to list")
     args = parser.parse_args()
-    if args.steps < 1 or not PROMPT < args.positions <= Config.context - 2 * args.steps:
-        parser.error(f"--steps at least 1, --positions between {PROMPT + 1} and the context ({Config.context}) "
-                     "less twice --steps (the steps timed, then as many profiled)")
+    lowest = PROMPT + 1 + max(args.steps - 1, 0) // 2  # a token past the prompts before the first step timed
+    if args.steps < 1 or not lowest <= args.positions <= Config.context - 2 * args.steps:
+        parser.error(f"--steps at least 1, --positions between {lowest} and the context ({Config.context}) "
+                     "less twice --steps (the steps timed, centred on --positions, then as many profiled)")
     device = pick_device(args.device)
     precision = args.precision or default_precision(device)
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
 import argparse
+import calendar
 import errno
 import json
 import math
@@ -311,13 +312,26 @@ def test_weights_that_do_not_fit_are_refused_with_what_does_not_fit(small_model,
             load_checkpoint(path)
 
 
-def test_an_earlier_run_s_log_is_kept_under_the_time_that_run_last_wrote(tmp_path):
-    # The folder's name tells the runs apart in TensorBoard: when the earlier run ended, not
-    # when the new one began.
+@pytest.fixture
+def five_hours_behind_utc(monkeypatch):
+    """The local clock 5 hours behind UTC, whatever the machine's: a name taken from UTC by
+    mistake would then be 5 hours off."""
+    if not hasattr(time, "tzset"):
+        pytest.skip("this system's time module cannot change its zone")
+    monkeypatch.setenv("TZ", "EST5")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_an_earlier_run_s_log_is_kept_under_the_local_time_that_run_last_wrote(tmp_path, five_hours_behind_utc):
+    # The folder's name tells the runs apart in TensorBoard: when the earlier run ended, on the
+    # learner's clock, not when the new one began.
     run = tmp_path / "runs" / "grpo" / "kl-0.05"
     write_points(run, False, {0: 1.0})
     [events] = run.iterdir()
-    last_written = time.mktime((2024, 3, 5, 14, 7, 9, 0, 0, -1))
+    last_written = calendar.timegm((2024, 3, 5, 19, 7, 9))  # 14:07:09 at 5 hours behind UTC
     os.utime(events, (last_written, last_written))
     write_points(run, False, {0: 2.0})
     assert (run / "earlier-2024-03-05-140709" / events.name).exists()
