@@ -8,7 +8,7 @@ a busy machine slows them all alike.
 It is why finetune.collate rounds a batch's length up to a multiple of ALIGN positions: on
 the CPU we measured, some lengths run much slower than their neighbours in bf16.
 
-    python bench/attention.py               (about 15 seconds on a 2-core CPU)
+    python bench/attention.py               (15 to 40 seconds on a 2-core CPU)
 """
 import argparse
 import statistics

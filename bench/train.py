@@ -1,7 +1,10 @@
 """
 Benchmark: pretraining speed of the series model (14.6M parameters), a batch of
 train.BATCH windows of train.CONTEXT tokens, forward, backward and AdamW step, in fp32 and
-with bf16 autocast; and how much of the machine's matrix-product peak that reaches.
+with bf16 autocast; and how much of the machine's matrix-product peak that reaches. bf16 is
+timed where the scripts train in it (devices.default_precision), or when --precision bf16
+asks for it: on a CPU without fast bf16 products (many laptops, some servers) they run many
+times slower than fp32's, and its steps would take tens of minutes.
 
 The peak is measured here, with large matrix products in each precision, before the steps
 and after them, and the faster counts: measured once, in a minute the shared machine runs
@@ -10,7 +13,7 @@ floating-point operations per parameter per token (2 forward, 4 backward), plus 
 12 x layers x width x context per token (PaLM's appendix B). The token embedding counts, as
 it is also the output layer; the position embedding, a lookup, doesn't.
 
-    python bench/train.py        (about a minute and a half on a 2-core CPU)
+    python bench/train.py        (one and a half to two minutes on a 2-core CPU)
 
 Each variant runs in a fresh process, so the peak memory it reports is its own.
 """
@@ -25,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import peak_memory_mb, run_variant, synchronize, timed  # noqa: E402
-from devices import machine, pick_device  # noqa: E402
+from devices import default_precision, machine, pick_device  # noqa: E402
 from model import GPT, Config  # noqa: E402
 from train import BATCH, CONTEXT, make_optimizer, train_step  # noqa: E402
 
@@ -84,6 +87,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device")
+    parser.add_argument("--precision", choices=list(DTYPES), help="time this one alone (default: fp32, and bf16 "
+                                                                  "where the scripts train in it)")
     parser.add_argument("--variant", choices=list(DTYPES), help="run one precision here (used internally)")
     args = parser.parse_args()
     device = pick_device(args.device)
@@ -92,11 +97,19 @@ def main():
         return
 
     print(f"machine: {machine()}; device: {device}")
+    if args.precision:
+        precisions = [args.precision]
+    elif default_precision(device) == "bf16":
+        precisions = list(DTYPES)
+    else:
+        precisions = ["fp32"]
+        print("bf16 not timed: the scripts train in fp32 on this device, where bf16 runs slower "
+              "(--precision bf16 times it anyway)")
     print(f"batch {BATCH} x context {CONTEXT}, {args.steps} steps after one to warm up")
     extra = ["--steps", str(args.steps)] + (["--device", args.device] if args.device else [])
     print("| precision | tokens per second | TFLOP/s | matrix-product peak | share of peak | peak memory |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for precision in DTYPES:
+    for precision in precisions:
         r = run_variant(__file__, precision, extra)
         print(f"| {precision} | {r['tokens_per_second']:,.0f} | {r['tflops']:.3f} | {r['peak_tflops']:.3f} | "
               f"{r['share_of_peak']:.0%} | {r['peak_memory_mb']:,.0f} MB |")

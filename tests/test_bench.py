@@ -663,6 +663,24 @@ def test_training_benchmark_divides_by_the_faster_peak_measured_before_and_after
     assert result["share_of_peak"] == pytest.approx(result["tflops"] / 5.0)
 
 
+@pytest.mark.parametrize("machine_s, asked, timed_in", [("bf16", [], ["fp32", "bf16"]), ("fp32", [], ["fp32"]),
+                                                         ("fp32", ["--precision", "bf16"], ["bf16"])],
+                         ids=["fast-bf16", "slow-bf16", "asked-for"])
+def test_training_benchmark_times_bf16_only_where_the_scripts_train_in_it_or_asked(machine_s, asked, timed_in,
+                                                                                   run_main, monkeypatch, capsys):
+    # On a CPU without fast bf16 products, bf16's steps would take tens of minutes.
+    ran = []
+    monkeypatch.setattr(train_bench, "default_precision", lambda device: machine_s)
+    monkeypatch.setattr(train_bench, "run_variant", lambda script, precision, extra: ran.append(precision) or {
+        "tokens_per_second": 1000.0, "tflops": 0.1, "peak_tflops": 0.2, "share_of_peak": 0.5, "peak_memory_mb": 9.0})
+    run_main(train_bench, "--device", "cpu", *asked)
+    out = capsys.readouterr().out
+    assert ran == timed_in
+    assert [line.split(" |")[0] for line in out.splitlines() if line.startswith("| fp32 |") or
+            line.startswith("| bf16 |")] == [f"| {precision}" for precision in timed_in]
+    assert ("bf16 not timed" in out) == (timed_in == ["fp32"])
+
+
 def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
     monkeypatch.setattr(common, "timed", lambda device, work: (None, 0.5))
     assert common.read_bandwidth(torch.device("cpu")) == pytest.approx(256 * 2**20 / 0.5)
