@@ -33,6 +33,19 @@ def fp32_on_every_cpu(request, monkeypatch):
         monkeypatch.setattr(devices, "bf16_speedup_on_cpu", lambda: 1.0)
 
 
+@pytest.fixture(autouse=True)
+def cpu_on_every_machine(monkeypatch):
+    """A script run without --device takes the machine's GPU, CUDA's or Apple's MPS
+    (devices.pick_device), where the tests' exact comparisons could come out otherwise: every
+    test runs as on a machine without one, the same on every machine. (A test about GPUs
+    makes one up itself.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
 def make_story(rng):
     name = rng.choice(NAMES)
     a, b, c, d, e = rng.sample(NOUNS, 5)
