@@ -97,6 +97,8 @@ def main():
         return
 
     print(f"machine: {machine()}; device: {device}")
+    # bf16 beside fp32 where the scripts train in it: on a CPU without fast bf16 products (many
+    # laptops), its ten steps would take tens of minutes.
     if args.precision:
         precisions = [args.precision]
     elif default_precision(device) == "bf16":
