@@ -31,8 +31,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 DATA = Path("data")  # what data.py makes, and every later script reads
-# Why a write fails in one line, not a traceback: the disk is full, read-only, or not ours to write.
-UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM}
+# Why a write fails in one line, not a traceback: the disk is full, read-only, or not ours to
+# write, or a file stands where the path needs a folder.
+UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
 STARTED = time.time()  # a temporary file last written before this is no save of this run's
 
 
@@ -73,6 +74,10 @@ def refused(error, temporary):
 def unwritable(folder, error):
     if error.errno == errno.ENOSPC:
         return f"no space left on the disk for {folder}; free some space, then run the command again"
+    in_the_way = next((path for path in (folder, *folder.parents) if path.is_file()), None)
+    if error.errno in (errno.ENOTDIR, errno.EEXIST) and in_the_way:
+        return (f"cannot write in {folder}: {in_the_way} is a file, not a folder; move it away, then run the "
+                "command again")
     return f"cannot write in {folder} ({error.strerror}); make it writable, then run the command again"
 
 
@@ -299,13 +304,22 @@ def read_words(path=DATA / "words.json"):
     require(path)
     try:
         words = json.loads(Path(path).read_text())
-        askable, nouns = set(words["askable"]), set(words["nouns"])
+        askable, nouns = words["askable"], words["nouns"]
     except (ValueError, KeyError, TypeError):
         raise SystemExit(f"{path} is damaged; make it again with python data.py") from None
+    # Two lists of lowercase words, as the reward reads them (a string would be read letter by letter).
+    if not all(isinstance(listed, list) and all(map(is_lowercase_word, listed)) for listed in (askable, nouns)):
+        raise SystemExit(f"{path} is damaged (its words are not two lists of lowercase words); "
+                         "make it again with python data.py")
+    askable, nouns = set(askable), set(nouns)
     if not askable or not nouns <= askable:
         raise SystemExit(f"{path} is damaged (no askable words, or nouns that are not among them); "
                          "make it again with python data.py")
     return askable, nouns
+
+
+def is_lowercase_word(word):
+    return isinstance(word, str) and word.isascii() and word.isalpha() and word.islower()
 
 
 def read_instructions(path=DATA / "instructions.jsonl", limit=None):

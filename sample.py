@@ -340,6 +340,9 @@ def main():
     if (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
         parser.error("--top-k and --tokens must be at least 1")
     check_seed(parser, args.seed)
+    # Bytes the terminal could not decode reach Python as lone surrogates, which no text encodes.
+    if any("\ud800" <= char <= "\udfff" for char in args.prompt):
+        parser.error("--prompt: the text holds bytes that are not UTF-8; write it in UTF-8")
     if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
     distributed.one_process()

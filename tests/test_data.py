@@ -70,6 +70,12 @@ def test_words_json_holds_the_askable_words_and_their_nouns_and_a_damaged_one_is
     (prepared / "words.json").write_text('{"askable": ')
     with pytest.raises(SystemExit, match="damaged; make it again with python data.py"):
         files.read_words(prepared / "words.json")
+    # A string would be read letter by letter; numbers, capitals or two words are no words the reward reads.
+    for damaged in ('{"askable": "cake", "nouns": "cake"}', '{"askable": [1, 2], "nouns": [1]}',
+                    '{"askable": ["Cake", "kite"], "nouns": ["kite"]}', '{"askable": ["a b"], "nouns": []}'):
+        (prepared / "words.json").write_text(damaged)
+        with pytest.raises(SystemExit, match="damaged \\(its words are not two lists of lowercase words\\)"):
+            files.read_words(prepared / "words.json")
     with pytest.raises(SystemExit, match="no .*words.json: make it with python data.py"):
         files.read_words(prepared / "missing" / "words.json")
 

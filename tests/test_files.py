@@ -28,6 +28,16 @@ def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, mo
         check_writable(tmp_path / "checkpoints" / "pretrain")
 
 
+@pytest.mark.parametrize("a_file_at", ["checkpoints", "checkpoints/pretrain"])
+def test_a_file_where_a_run_needs_a_folder_is_named_in_one_line(a_file_at, tmp_path):
+    (tmp_path / a_file_at).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / a_file_at).write_text("a learner's notes, saved under the folder's name")
+    with pytest.raises(SystemExit, match=f"^cannot write in .*checkpoints/pretrain: .*{a_file_at} is a file, not a "
+                                         "folder; move it away"):
+        check_writable(tmp_path / "runs" / "pretrain", tmp_path / "checkpoints" / "pretrain")
+    assert (tmp_path / a_file_at).read_text() == "a learner's notes, saved under the folder's name"
+
+
 def saves_left(folder, stale, running):
     """Two temporary files in folder: stale, an hour old, of a save that was killed; running, of a
     save still being written. Returns running's path."""

@@ -135,6 +135,14 @@ def test_a_seed_out_of_range_is_refused(run_main, capsys, seed):
     assert "--seed must be 0 to 4294967295" in capsys.readouterr().err
 
 
+def test_a_prompt_of_bytes_that_are_not_utf8_is_refused_in_one_line(run_main, capsys):
+    # As Python hands over `--prompt "$(printf 'a\xffb')"` from a UTF-8 terminal.
+    with pytest.raises(SystemExit) as stopped:
+        run_main(sample, "--prompt", b"a\xffb".decode("utf-8", "surrogateescape"))
+    assert stopped.value.code == 2
+    assert "--prompt: the text holds bytes that are not UTF-8" in capsys.readouterr().err
+
+
 def test_an_empty_prompt_is_written_after_as_given(run_main, monkeypatch):
     prompts = []
     monkeypatch.setattr(sample, "write", lambda model, tokenizer, prompt, *args: prompts.append(prompt) or "")
