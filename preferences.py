@@ -27,6 +27,7 @@ from data import SEED
 from devices import pick_device
 from evaluate import words_used
 from files import DATA, atomic, check_writable, file_hash, read_instructions
+from model import Config
 from sample import MAX_NEW_TOKENS, write_stories
 from tokenizer import encode_prompt, load_tokenizer
 
@@ -111,9 +112,9 @@ def load_pairs(tokenizer, path=PAIRS, written_by=None):
     if not same_tokenizer(tokenizer, pairs, settings):
         raise SystemExit(f"{path} was made with another tokenizer than data/tokenizer.json; "
                          "make it again with python preferences.py")
-    if not all(well_formed(pair, tokenizer.vocab_size) for pair in pairs):
-        raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens; "
-                         "make it again with python preferences.py")
+    if not all(well_formed(pair, tokenizer) for pair in pairs):
+        raise SystemExit(f"{path} has a pair that is not an instruction and two stories' tokens within the "
+                         "context; make it again with python preferences.py")
     if not all(better):
         raise SystemExit(f"{path} has a pair whose chosen story is not the better one; make it again")
     # Written by another model (the fine-tuned model, made again since), they are not the stories
@@ -133,16 +134,18 @@ def same_tokenizer(tokenizer, pairs, settings):
     if "tokenizer" in settings:
         return settings["tokenizer"] == tokenizer.fingerprint()
     return all(tokenizer.decode(pair["chosen_tokens"]) == pair.get("chosen")
-               for pair in pairs if well_formed(pair, tokenizer.vocab_size))
+               for pair in pairs if well_formed(pair, tokenizer))
 
 
-def well_formed(pair, vocab_size):
+def well_formed(pair, tokenizer):
     """Whether a pair holds an instruction and, for each side, a story's tokens: numbers below
-    vocab_size, at most MAX_NEW_TOKENS of them, as the model writes them (more, with the
-    instruction, would not fit DPO's context)."""
-    return isinstance(pair.get("instruction"), str) and all(
+    the tokenizer's vocabulary, at most MAX_NEW_TOKENS of them, as the model writes them, and
+    with the instruction's tokens within the context (DPO reads each story after it)."""
+    instruction = pair.get("instruction")
+    return isinstance(instruction, str) and all(
         isinstance(tokens, list) and 0 < len(tokens) <= MAX_NEW_TOKENS
-        and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
+        and len(encode_prompt(tokenizer, instruction)) + len(tokens) <= Config.context
+        and all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in tokens)
         for tokens in (pair.get("chosen_tokens"), pair.get("rejected_tokens")))
 
 
