@@ -95,7 +95,7 @@ class Tokenizer:
             merges = data["merges"]
             valid = all(len(pair) == 2 and all(type(t) is int and 0 <= t < 256 + i for t in pair)
                         for i, pair in enumerate(merges))
-        except (ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError) as error:  # a folder of that name, too
             raise SystemExit(f"{path} is not a tokenizer file ({error}); run python data.py again")
         if not valid or data.get("pattern") != PATTERN or data.get("vocab_size") != len(merges) + 257:
             raise SystemExit(f"{path} is damaged or from another tokenizer; run python data.py again")

@@ -95,6 +95,11 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
         path.write_text(not_a_tokenizer)
         with pytest.raises(SystemExit, match="not a tokenizer file"):
             bpe.Tokenizer.load(path)
+    # A folder under the file's name.
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(SystemExit, match="not a tokenizer file"):
+        bpe.Tokenizer.load(path)
 
 
 def test_a_chunk_takes_its_merges_in_the_order_training_learned_them():
