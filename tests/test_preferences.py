@@ -123,7 +123,7 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
     # A damaged pair in such a file is refused as damaged, not as another tokenizer's.
     damaged = [{**saved["pairs"][0], "chosen_tokens": "a story"}, *saved["pairs"][1:]]
     path.write_text(json.dumps({"settings": unrecorded, "pairs": damaged}), encoding="utf-8")
-    with pytest.raises(SystemExit, match="not an instruction and two stories' tokens within the context; make it again"):
+    with pytest.raises(SystemExit, match="not an instruction and two stories' tokens within the context"):
         preferences.load_pairs(workspace_tokenizer, path)
     for settings, pairs in ((["not", "settings"], saved["pairs"]), ([], saved["pairs"]), (saved["settings"], {})):
         path.write_text(json.dumps({"settings": settings, "pairs": pairs}), encoding="utf-8")
@@ -135,7 +135,7 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
                    {"instruction": "word " * 400}):  # a story after it would not fit the context
         damaged = {**saved, "pairs": [*saved["pairs"][1:], {**saved["pairs"][0], **damage}]}
         path.write_text(json.dumps(damaged), encoding="utf-8")
-        with pytest.raises(SystemExit, match="not an instruction and two stories' tokens within the context; make it again"):
+        with pytest.raises(SystemExit, match="not an instruction and two stories' tokens within the context"):
             preferences.load_pairs(workspace_tokenizer, path)
     path.write_text(json.dumps({**saved, "pairs": []}), encoding="utf-8")
     with pytest.raises(SystemExit, match="holds no pairs"):
