@@ -86,11 +86,21 @@ def save_checkpoint(path, model, tokenizer, made_by, optimizer=None, **state):
     state and any further `state` (an RL run's critic, its random state) are for resuming."""
     checkpoint = {"model": model.state_dict(), "config": asdict(model.config),
                   "tokenizer": tokenizer.fingerprint(), "made_by": made_by, **state}
+    # A run whose loss went to nan or inf (a learning rate too high) has weights that write
+    # nothing: saved, they would replace the last good model. The run stops instead.
+    if not finite(checkpoint["model"]):
+        raise SystemExit(f"the model's weights are no longer finite numbers (nan or inf): the run diverged, and "
+                         f"stops before it writes {checkpoint_file(path)}; start it again with a lower learning rate")
     if optimizer is not None:
         checkpoint["optimizer"] = optimizer.state_dict()
     # Through a file of ours: torch then lets a full disk's OSError through, which atomic() words.
     with atomic(checkpoint_file(path)) as tmp, open(tmp, "wb") as file:
         torch.save(checkpoint, file)
+
+
+def finite(weights):
+    """Whether every floating-point weight is a finite number."""
+    return all(torch.isfinite(w).all() for w in weights.values() if torch.is_tensor(w) and w.is_floating_point())
 
 
 def read_checkpoint(path):
@@ -151,6 +161,8 @@ def model_from(checkpoint, path, device="cpu", tokenizer=None, quiet=False, advi
         # One short line: a list of missing weights runs to kilobytes.
         raise SystemExit(f"{file} does not match the model it describes ({shorten(reason, 150, placeholder=' ...')}); "
                          f"{advice}")
+    if not finite(checkpoint["model"]):
+        raise SystemExit(f"{file} holds weights that are not finite numbers (nan or inf); {advice}")
     if model.config.context != Config.context:
         raise SystemExit(f"{file} has a context of {model.config.context} tokens, where the series' scripts take "
                          f"{Config.context}; {advice}")

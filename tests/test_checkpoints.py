@@ -218,6 +218,24 @@ def test_interrupted_save_keeps_the_old_checkpoint(small_model, small_tokenizer,
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
+@pytest.mark.parametrize("diverged", [math.nan, math.inf])
+def test_weights_gone_to_nan_or_inf_are_not_saved_over_a_good_model_nor_loaded(diverged, small_tokenizer, tmp_path):
+    torch.manual_seed(0)
+    model = GPT(Config(vocab_size=small_tokenizer.vocab_size, **TINY))
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, model, small_tokenizer, {"script": "test", "step": 1})
+    with torch.no_grad():
+        model.blocks[1].mlp.down.weight[3, 5] = diverged  # one weight is enough to spread
+    with pytest.raises(SystemExit, match="^the model's weights are no longer finite numbers .* stops before it writes "
+                                         ".*model.pt; start it again with a lower learning rate$"):
+        save_checkpoint(path, model, small_tokenizer, {"script": "test", "step": 2})
+    assert read_checkpoint(path)["made_by"]["step"] == 1
+    # Such a file, written by other means, is refused when loaded, not written with.
+    torch.save({**torch.load(path, weights_only=True), "model": model.state_dict()}, path)
+    with pytest.raises(SystemExit, match="model.pt holds weights that are not finite numbers \\(nan or inf\\)"):
+        load_checkpoint(path)
+
+
 def test_a_folder_means_its_final_model(small_model, small_tokenizer, tmp_path):
     assert checkpoint_file("checkpoints/ppo/kl-0.05").name == "model.pt"
     assert checkpoint_file("checkpoints/ppo/kl-0.05/rollout-10.pt").name == "rollout-10.pt"
