@@ -84,18 +84,24 @@ def save_checkpoint(path, model, tokenizer, made_by, optimizer=None, **state):
     """Weights, config, the tokenizer they were trained with, and what made them
     (script, step, settings), written to a temporary file and then renamed. An optimizer's
     state and any further `state` (an RL run's critic, its random state) are for resuming."""
+    stop_if_diverged(model, path)
     checkpoint = {"model": model.state_dict(), "config": asdict(model.config),
                   "tokenizer": tokenizer.fingerprint(), "made_by": made_by, **state}
-    # A run whose loss went to nan or inf (a learning rate too high) has weights that write
-    # nothing: saved, they would replace the last good model. The run stops instead.
-    if not finite(checkpoint["model"]):
-        raise SystemExit(f"the model's weights are no longer finite numbers (nan or inf): the run diverged, and "
-                         f"stops before it writes {checkpoint_file(path)}; start it again with a lower learning rate")
     if optimizer is not None:
         checkpoint["optimizer"] = optimizer.state_dict()
     # Through a file of ours: torch then lets a full disk's OSError through, which atomic() words.
     with atomic(checkpoint_file(path)) as tmp, open(tmp, "wb") as file:
         torch.save(checkpoint, file)
+
+
+def stop_if_diverged(model, path):
+    """Stops a run whose weights went to nan or inf (a learning rate too high, most often)
+    before it measures or saves them: their stories are noise, or none at all (torch's draw
+    refuses such probabilities), and saved at `path` they would replace the last good model."""
+    if not finite(model.state_dict()):
+        raise SystemExit(f"the model's weights are no longer finite numbers (nan or inf): the run diverged, and "
+                         f"stops before it writes {checkpoint_file(path)}; start it again, with a lower --lr where "
+                         "the script takes one")
 
 
 def finite(weights):

@@ -74,10 +74,12 @@ def refused(error, temporary):
 def unwritable(folder, error):
     if error.errno == errno.ENOSPC:
         return f"no space left on the disk for {folder}; free some space, then run the command again"
-    in_the_way = next((path for path in (folder, *folder.parents) if path.is_file()), None)
-    if error.errno in (errno.ENOTDIR, errno.EEXIST) and in_the_way:
-        return (f"cannot write in {folder}: {in_the_way} is a file, not a folder; move it away, then run the "
-                "command again")
+    if error.errno in (errno.ENOTDIR, errno.EEXIST):
+        # os.path.isfile, not Path.is_file: a folder this process may not search raises no error of its own.
+        in_the_way = next((path for path in (folder, *folder.parents) if os.path.isfile(path)), None)
+        if in_the_way:
+            return (f"cannot write in {folder}: {in_the_way} is a file, not a folder; move it away, then run the "
+                    "command again")
     return f"cannot write in {folder} ({error.strerror}); make it writable, then run the command again"
 
 

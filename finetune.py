@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 import distributed
-from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer, save_checkpoint
+from checkpoints import CHECKPOINTS, RUNS, load_checkpoint, run_settings, run_writer, save_checkpoint, stop_if_diverged
 from data import SEED, WORD, ask, instruction
 from devices import autocast, default_precision
 from files import check_writable, read_instructions, read_words
@@ -313,6 +313,7 @@ def main():
 
     @distributed.on_rank_0  # under torchrun, rank 0 alone evaluates and saves, the others waiting for it
     def evaluate_and_save(save=True):
+        stop_if_diverged(model, folder)  # before a story drawn from nan probabilities, which torch refuses
         losses = {"instructions": instruction_loss(model, held_back, pad, device, precision),
                   "plain": valid_loss(model, valid_tokens, device, precision)}
         story = demo_story(model, tokenizer, EXAMPLE, seed=step, max_new_tokens=DEMO_TOKENS)

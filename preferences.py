@@ -92,8 +92,9 @@ def what_they_differ_by(pairs, eot):
 
 def load_pairs(tokenizer, path=PAIRS, written_by=None):
     """The saved pairs and the settings that made them, refused unless each pair is an
-    instruction and two stories' tokens of this tokenizer, the chosen one the better; and,
-    given a model's folder (DPO's fine-tuned model), unless that model wrote them."""
+    instruction and two stories' tokens of this tokenizer within the context, the chosen one
+    the better; and, given a model's folder (DPO's fine-tuned model), unless that model wrote
+    them."""
     if not path.exists():
         raise SystemExit(f"no {path}: make it with python preferences.py")
     try:
@@ -142,9 +143,13 @@ def well_formed(pair, tokenizer):
     the tokenizer's vocabulary, at most MAX_NEW_TOKENS of them, as the model writes them, and
     with the instruction's tokens within the context (DPO reads each story after it)."""
     instruction = pair.get("instruction")
-    return isinstance(instruction, str) and all(
-        isinstance(tokens, list) and 0 < len(tokens) <= MAX_NEW_TOKENS
-        and len(encode_prompt(tokenizer, instruction)) + len(tokens) <= Config.context
+    try:
+        prompt = len(encode_prompt(tokenizer, instruction)) if isinstance(instruction, str) else None
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON), which no text encodes
+        prompt = None
+    # DPO reads the prompt and story but the last token, a target only: one more than the context fits.
+    return prompt is not None and all(
+        isinstance(tokens, list) and 0 < len(tokens) <= MAX_NEW_TOKENS and prompt + len(tokens) <= Config.context + 1
         and all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in tokens)
         for tokens in (pair.get("chosen_tokens"), pair.get("rejected_tokens")))
 

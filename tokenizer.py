@@ -90,12 +90,14 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path):
+        if path.is_dir():  # data.py could not write the file there either
+            raise SystemExit(f"{path} is a folder, not a tokenizer file; move it away, then run python data.py again")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             merges = data["merges"]
             valid = all(len(pair) == 2 and all(type(t) is int and 0 <= t < 256 + i for t in pair)
                         for i, pair in enumerate(merges))
-        except (OSError, ValueError, KeyError, TypeError) as error:  # a folder of that name, too
+        except (ValueError, KeyError, TypeError) as error:
             raise SystemExit(f"{path} is not a tokenizer file ({error}); run python data.py again")
         if not valid or data.get("pattern") != PATTERN or data.get("vocab_size") != len(merges) + 257:
             raise SystemExit(f"{path} is damaged or from another tokenizer; run python data.py again")

@@ -39,7 +39,7 @@ import torch
 
 import distributed
 from checkpoints import (CHECKPOINTS, RUNS, model_from, must_load, read_checkpoint, run_settings, run_writer,
-                         save_checkpoint)
+                         save_checkpoint, stop_if_diverged)
 from data import SEED, check_seed
 from devices import autocast, default_precision, resumed_precision
 from files import DATA, check_made, check_writable, require
@@ -297,6 +297,7 @@ def main():
     @distributed.on_rank_0  # under torchrun, rank 0 alone validates and saves, the others waiting for it
     def validate_and_save():
         seconds = time.time() - started  # the steps so far, the last one included, by rank 0's clock
+        stop_if_diverged(model, folder)  # before a story drawn from nan probabilities, which torch refuses
         loss = valid_loss(model, valid_tokens, device, precision)
         story = demo_story(model, tokenizer, "Once upon a time", seed=step)
         writer.add_scalar("loss/valid", loss, step)

@@ -3,8 +3,9 @@ Benchmark: pretraining speed of the series model (14.6M parameters), a batch of
 train.BATCH windows of train.CONTEXT tokens, forward, backward and AdamW step, in fp32 and
 with bf16 autocast; and how much of the machine's matrix-product peak that reaches. bf16 is
 timed where the scripts train in it (devices.default_precision), or when --precision bf16
-asks for it: on a CPU without fast bf16 products (many laptops, some servers) they run many
-times slower than fp32's, and its steps would take tens of minutes.
+asks for it: on a CPU without fast bf16 products (many laptops, some servers) they can run
+far slower than fp32's (80 times slower, devices.bf16_speedup_on_cpu measured, on a 2-core
+AMD EPYC with AVX2 only, where the bench's bf16 part had not ended after two minutes).
 
 The peak is measured here, with large matrix products in each precision, before the steps
 and after them, and the faster counts: measured once, in a minute the shared machine runs
@@ -98,14 +99,14 @@ def main():
 
     print(f"machine: {machine()}; device: {device}")
     # bf16 beside fp32 where the scripts train in it: on a CPU without fast bf16 products (many
-    # laptops), its ten steps would take tens of minutes.
+    # laptops), its steps can take many times fp32's.
     if args.precision:
         precisions = [args.precision]
     elif default_precision(device) == "bf16":
         precisions = list(DTYPES)
     else:
         precisions = ["fp32"]
-        print("bf16 not timed: the scripts train in fp32 on this device, where bf16 runs slower "
+        print("bf16 not timed: the scripts train in fp32 on this device, where bf16 is not clearly faster "
               "(--precision bf16 times it anyway)")
     print(f"batch {BATCH} x context {CONTEXT}, {args.steps} steps after one to warm up")
     extra = ["--steps", str(args.steps)] + (["--device", args.device] if args.device else [])

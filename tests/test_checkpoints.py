@@ -227,7 +227,7 @@ def test_weights_gone_to_nan_or_inf_are_not_saved_over_a_good_model_nor_loaded(d
     with torch.no_grad():
         model.blocks[1].mlp.down.weight[3, 5] = diverged  # one weight is enough to spread
     with pytest.raises(SystemExit, match="^the model's weights are no longer finite numbers .* stops before it writes "
-                                         ".*model.pt; start it again with a lower learning rate$"):
+                                         ".*model.pt; start it again, with a lower --lr where the script takes one$"):
         save_checkpoint(path, model, small_tokenizer, {"script": "test", "step": 2})
     assert read_checkpoint(path)["made_by"]["step"] == 1
     # Such a file, written by other means, is refused when loaded, not written with.

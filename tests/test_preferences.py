@@ -132,7 +132,8 @@ def test_pairs_of_another_tokenizer_or_not_of_tokens_are_refused(workspace, work
     for damage in ({"chosen_tokens": "a story"}, {"rejected_tokens": [workspace_tokenizer.vocab_size]},
                    {"rejected_tokens": [-1]}, {"rejected_tokens": []}, {"instruction": None},
                    {"chosen_tokens": [1] * (preferences.MAX_NEW_TOKENS + 1)},
-                   {"instruction": "word " * 400}):  # a story after it would not fit the context
+                   {"instruction": "word " * 400},  # a story after it would not fit the context
+                   {"instruction": "\ud800"}):  # a lone surrogate, which no text encodes
         damaged = {**saved, "pairs": [*saved["pairs"][1:], {**saved["pairs"][0], **damage}]}
         path.write_text(json.dumps(damaged), encoding="utf-8")
         with pytest.raises(SystemExit, match="not an instruction and two stories' tokens within the context"):

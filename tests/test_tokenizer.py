@@ -98,7 +98,7 @@ def test_damaged_tokenizer_file_is_refused(tokenizer, tmp_path):
     # A folder under the file's name.
     path.unlink()
     path.mkdir()
-    with pytest.raises(SystemExit, match="not a tokenizer file"):
+    with pytest.raises(SystemExit, match="tokenizer.json is a folder, not a tokenizer file; move it away"):
         bpe.Tokenizer.load(path)
 
 

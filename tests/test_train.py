@@ -160,6 +160,35 @@ def test_the_last_step_s_model_is_measured_and_saved_once(script, workspace, tmp
         assert saved == expected
 
 
+@pytest.mark.parametrize("script", [train, finetune])
+def test_a_run_whose_weights_go_to_nan_stops_in_one_line_and_keeps_the_last_model(script, workspace, tmp_path,
+                                                                                 monkeypatch):
+    # Weights of nan after the first update, as a learning rate far too high leaves them: the
+    # run stops at its next measurement, before a story drawn from them (which torch refuses)
+    # and before a save over the model there.
+    shutil.copytree(workspace / "data", tmp_path / "data")
+    shutil.copytree(workspace / "checkpoints" / "finetune", tmp_path / "checkpoints" / "pretrain")
+    before = (tmp_path / "checkpoints" / "pretrain" / "model.pt").read_bytes()
+    launch.patch(monkeypatch.setattr, {})
+    monkeypatch.setattr(script, "EVAL_EVERY", 2)
+    real_update = train.update
+
+    def diverging(model, optimizer, lr):
+        real_update(model, optimizer, lr)
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.fill_(math.nan)
+
+    monkeypatch.setattr(train, "update", diverging)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--steps", "4", *CPU_FP32])
+    with pytest.raises(SystemExit, match="^the model's weights are no longer finite numbers \\(nan or inf\\): the "
+                                         "run diverged, and stops before it writes checkpoints/"):
+        script.main()
+    assert (tmp_path / "checkpoints" / "pretrain" / "model.pt").read_bytes() == before
+    assert not list((tmp_path / "checkpoints").glob("finetune*/*.pt"))  # fine-tuning saved nothing either
+
+
 def test_a_checkpoint_s_seconds_count_the_step_it_saves(workspace, tmp_path, monkeypatch):
     # A clock that moves 10 seconds a training step and stands still otherwise: the checkpoints
     # saved at steps 5 and 7 record 50 and 70 seconds, the time a resumed run goes on from.
