@@ -29,7 +29,7 @@ from evaluate import words_used
 from files import DATA, atomic, check_writable, file_hash, read_instructions
 from model import Config
 from sample import MAX_NEW_TOKENS, write_stories
-from tokenizer import encode_prompt, load_tokenizer
+from tokenizer import encodable, encode_prompt, load_tokenizer
 
 STORIES = 4  # stories per instruction, from which the best and the worst make a pair
 # The training instructions the later episodes read, the first of the file: more than any run of
@@ -143,12 +143,11 @@ def well_formed(pair, tokenizer):
     the tokenizer's vocabulary, at most MAX_NEW_TOKENS of them, as the model writes them, and
     with the instruction's tokens within the context (DPO reads each story after it)."""
     instruction = pair.get("instruction")
-    try:
-        prompt = len(encode_prompt(tokenizer, instruction)) if isinstance(instruction, str) else None
-    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON), which no text encodes
-        prompt = None
+    if not (isinstance(instruction, str) and encodable(instruction)):
+        return False
+    prompt = len(encode_prompt(tokenizer, instruction))
     # DPO reads the prompt and story but the last token, a target only: one more than the context fits.
-    return prompt is not None and all(
+    return all(
         isinstance(tokens, list) and 0 < len(tokens) <= MAX_NEW_TOKENS and prompt + len(tokens) <= Config.context + 1
         and all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in tokens)
         for tokens in (pair.get("chosen_tokens"), pair.get("rejected_tokens")))

@@ -26,7 +26,6 @@ devices.autocast, as the RL episodes do where it is faster (their update runs in
 """
 import argparse
 import math
-import re
 from itertools import groupby
 
 import torch
@@ -34,10 +33,10 @@ import torch.nn.functional as F
 
 import distributed
 from checkpoints import CHECKPOINTS, load_checkpoint
-from data import check_seed, instruction
+from data import WORD, check_seed, instruction
 from devices import pick_device
 from kernels import cache_block
-from tokenizer import encode_prompt, load_tokenizer
+from tokenizer import encodable, encode_prompt, load_tokenizer
 
 MAX_NEW_TOKENS = 200  # the most tokens a story gets
 # The lowest temperature but 0: below it, logits divided by it run to infinity (1e-40 makes
@@ -340,10 +339,9 @@ def main():
     if (args.top_k is not None and args.top_k < 1) or args.tokens < 1:
         parser.error("--top-k and --tokens must be at least 1")
     check_seed(parser, args.seed)
-    # Bytes the terminal could not decode reach Python as lone surrogates, which no text encodes.
-    if any("\ud800" <= char <= "\udfff" for char in args.prompt):
+    if not encodable(args.prompt):
         parser.error("--prompt: the text holds bytes that are not UTF-8; write it in UTF-8")
-    if args.words and not all(re.fullmatch("[a-z]+", word) for word in args.words):
+    if args.words and not all(WORD.fullmatch(word) for word in args.words):
         parser.error("--words: three lowercase words, letters only (as the reward reads them)")
     distributed.one_process()
 

@@ -188,6 +188,12 @@ def load_tokenizer(folder=DATA):
     return Tokenizer.load(path)
 
 
+def encodable(text):
+    """Whether text has UTF-8 bytes to encode: bytes a terminal or a JSON file could not
+    decode reach Python as lone surrogates, which have none."""
+    return not any("\ud800" <= char <= "\udfff" for char in text)
+
+
 def encode_prompt(tokenizer, prompt):
     """A prompt's tokens as a model is given them to write after: an end-of-text first, as in
     the token files every story came right after one, so the model knows a new story begins."""
